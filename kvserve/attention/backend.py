@@ -1,0 +1,41 @@
+"""Attention backends behind one interface: store the step's new K/V, then attend over the cache.
+
+`TorchAttentionBackend` is the reference (CPU and GPU): paged gathers + SDPA. On CUDA, SDPA picks
+flash/memory-efficient kernels for prefill. Faster paged kernels plug in here by implementing the
+same `forward`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels import reference
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]."""
+        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        output = torch.empty_like(query)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            output[:num_decodes] = reference.paged_decode_attention(
+                query[:num_decodes], k_cache, v_cache, meta.decode_context_slots,
+                meta.decode_context_mask, scale)
+        for chunk in meta.prefills:
+            span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if chunk.context_slots is None:
+                output[span] = reference.prefill_attention(query[span], key[span], value[span], scale)
+            else:
+                output[span] = reference.paged_prefill_attention(
+                    query[span], k_cache, v_cache, chunk.context_slots, scale)
+        return output
+
+
+def get_attention_backend(device: torch.device) -> TorchAttentionBackend:
+    return TorchAttentionBackend()

@@ -1,0 +1,34 @@
+"""What the attention layers need to know about one engine step's flat token batch.
+
+The runner builds one AttentionMetadata per step; every layer reuses it. The model never sees
+requests. Tokens are laid out decodes first (one query token each), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int          # offset of the chunk's first token in the flat batch
+    query_len: int
+    context_len: int          # tokens of the request in the cache after this step (prefix + chunk)
+    context_slots: torch.Tensor | None   # [context_len] slots; None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
+    num_decode_tokens: int = 0
+    decode_context_slots: torch.Tensor | None = None   # [num_decodes, max_context] slots
+    decode_context_mask: torch.Tensor | None = None    # [num_decodes, max_context] bool
+    decode_context_lens: torch.Tensor | None = None    # [num_decodes] int32 (for fast kernels)
+    decode_block_tables: torch.Tensor | None = None    # [num_decodes, max_blocks] int32 (for fast kernels)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(chunk.query_len for chunk in self.prefills)

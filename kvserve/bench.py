@@ -1,0 +1,149 @@
+"""Offline throughput benchmark (`kvserve bench`), with transformers `generate` as the baseline.
+
+Prompts are random token ids (a fixed seed), outputs are forced to full length (ignore_eos), so
+every system does the same work. Figures are wall-clock medians over `repeats` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from kvserve.engine.sampling import SamplingParams
+
+
+@dataclass
+class BenchPoint:
+    system: str
+    batch_size: int
+    input_len: int
+    output_len: int
+    seconds: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # Stay clear of the first ids, where special tokens usually live.
+    low = min(100, vocab_size // 2)
+    return torch.randint(low, vocab_size, (num, input_len), generator=generator).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repeats: int, seed: int) -> BenchPoint:
+    prompts = random_prompts(batch_size, input_len, engine.model.config.vocab_size, seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    times, peak_usage, steps = [], 0.0, 0
+    for _ in range(repeats):
+        ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+        _sync(engine.device)
+        started = time.perf_counter()
+        pending = set(ids)
+        steps = 0
+        while pending:
+            for out in engine.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+            steps += 1
+            peak_usage = max(peak_usage, engine.kv_manager.usage)
+        _sync(engine.device)
+        times.append(time.perf_counter() - started)
+    seconds = statistics.median(times)
+    return BenchPoint("kvserve", batch_size, input_len, output_len, seconds,
+                      batch_size * output_len / seconds, batch_size * (input_len + output_len) / seconds,
+                      {"peak_kv_usage": round(peak_usage, 4), "steps": steps,
+                       "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
+                       "kv_bytes_per_token": engine.kv_bytes_per_token,
+                       "preemptions": engine.scheduler.num_preemptions_total,
+                       "runs_s": [round(t, 4) for t in times]})
+
+
+def load_transformers_model(source, dtype: torch.dtype, device: torch.device, load_format: str):
+    import transformers
+    if load_format == "dummy":
+        model = transformers.AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
+    elif source.path.endswith(".gguf"):
+        folder, name = os.path.split(source.path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def bench_transformers(model, device: torch.device, batch_size: int, input_len: int, output_len: int,
+                       repeats: int, seed: int) -> BenchPoint:
+    prompts = torch.tensor(random_prompts(batch_size, input_len, model.config.vocab_size, seed), device=device)
+    mask = torch.ones_like(prompts)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(prompts, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0)
+        _sync(device)
+        times.append(time.perf_counter() - started)
+        assert out.shape[1] == input_len + output_len
+    seconds = statistics.median(times)
+    return BenchPoint("transformers", batch_size, input_len, output_len, seconds,
+                      batch_size * output_len / seconds, batch_size * (input_len + output_len) / seconds,
+                      {"runs_s": [round(t, 4) for t in times]})
+
+
+def environment_info(device: torch.device) -> dict[str, Any]:
+    import transformers
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def format_table(points: list[BenchPoint]) -> str:
+    header = f"{'system':<14}{'batch':>6}{'in':>6}{'out':>6}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>13}"
+    lines = [header, "-" * len(header)]
+    for p in points:
+        lines.append(f"{p.system:<14}{p.batch_size:>6}{p.input_len:>6}{p.output_len:>6}{p.seconds:>10.2f}"
+                     f"{p.output_tokens_per_s:>12.1f}{p.total_tokens_per_s:>13.1f}")
+    return "\n".join(lines)
+
+
+def run_bench(engine, batch_sizes: list[int], input_len: int, output_len: int, repeats: int,
+              baseline: Optional[str], seed: int, json_path: Optional[str], command: str) -> list[BenchPoint]:
+    points: list[BenchPoint] = []
+    # Warm-up: first-call costs (allocator, kernels' lazy init) stay out of the figures.
+    bench_kvserve(engine, 1, min(input_len, 16), 4, 1, seed)
+    for batch_size in batch_sizes:
+        points.append(bench_kvserve(engine, batch_size, input_len, output_len, repeats, seed))
+        print(format_table(points[-1:]).splitlines()[-1], flush=True)
+    if baseline == "transformers":
+        model_cfg = engine.config.model_config
+        hf_model = load_transformers_model(engine.source, engine.dtype, engine.device, model_cfg.load_format)
+        bench_transformers(hf_model, engine.device, 1, min(input_len, 16), 4, 1, seed)
+        for batch_size in batch_sizes:
+            points.append(bench_transformers(hf_model, engine.device, batch_size, input_len, output_len, repeats, seed))
+            print(format_table(points[-1:]).splitlines()[-1], flush=True)
+        del hf_model
+    if json_path:
+        record = {"command": command, "model": engine.source.path, "architecture": engine.source.architecture,
+                  "load_format": engine.config.model_config.load_format, "dtype": str(engine.dtype),
+                  "device": str(engine.device), "engine_options": engine.config.to_options(),
+                  "environment": environment_info(engine.device), "points": [asdict(p) for p in points]}
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as fh:
+            json.dump(record, fh, indent=2)
+    return points

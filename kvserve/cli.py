@@ -1,0 +1,158 @@
+"""`kvserve generate | chat | bench | serve`: every engine option is a flag of the same name."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from typing import Optional
+
+from kvserve.config import add_engine_args, engine_options_from_args
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    group.add_argument("--n", type=int, default=1, help="samples per prompt")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per generated token")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvserve.engine.sampling import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, n=args.n, stop=args.stop, logprobs=args.logprobs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="LLM inference engine built around the KV cache")
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap each prompt as a user message in the model's chat template")
+    _add_sampling_args(gen, default_max_tokens=128)
+    add_engine_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat, default_max_tokens=512)
+    add_engine_args(chat)
+
+    bench = sub.add_parser("bench", help="offline throughput (tok/s) at several batch sizes")
+    bench.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    bench.add_argument("--input-len", type=int, default=200)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--baseline", choices=("none", "transformers"), default="none",
+                       help="also time transformers generate in the same run")
+    bench.add_argument("--json", default=None, help="write results JSON here")
+    add_engine_args(bench)
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+    llm = LLM(**engine_options_from_args(args))
+    params = _sampling_params(args)
+    if args.chat_template and getattr(llm.get_tokenizer(), "chat_template", None):
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(list(args.prompts), params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs):
+        for completion in output.outputs:
+            tag = f"[{completion.index}] " if len(output.outputs) > 1 else ""
+            print(f"{tag}{completion.text}")
+            print(f"--- prompt {prompt!r}: {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}",
+                  file=sys.stderr)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+    llm = LLM(**engine_options_from_args(args))
+    engine, params = llm.engine, _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        request_id = engine.add_request(None, {"prompt_token_ids": llm.apply_chat_template(messages)}, params)
+        printed = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    text = output.outputs[0].text
+                    sys.stdout.write(text[printed:])
+                    sys.stdout.flush()
+                    printed = len(text)
+                    if output.finished:
+                        messages.append({"role": "assistant", "content": text})
+        except KeyboardInterrupt:
+            engine.abort(request_id)
+            messages.pop()
+        print()
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvserve.bench import run_bench
+    from kvserve.engine.engine import Engine
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    engine = Engine.from_options(**engine_options_from_args(args))
+    print(f"model {engine.source.path} ({engine.source.architecture}) on {engine.device}, {engine.dtype}; "
+          f"KV cache {engine.kv_manager.capacity_tokens} tokens, {engine.kv_bytes_per_token} bytes/token")
+    command = "kvserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    from kvserve.bench import format_table
+    points = run_bench(engine, batch_sizes, args.input_len, args.output_len, args.repeats,
+                       None if args.baseline == "none" else args.baseline, engine.config.model_config.seed,
+                       args.json, command)
+    print()
+    print(format_table(points))
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}
+    if args.command == "serve":
+        from kvserve.server.app import run_server
+        handlers["serve"] = run_server
+    from kvserve.model.loader import ModelLoadError
+    try:
+        return handlers[args.command](args)
+    except (ModelLoadError, ValueError, TypeError) as exc:
+        parser.exit(2, f"kvserve {args.command}: error: {exc}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

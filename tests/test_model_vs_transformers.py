@@ -1,0 +1,100 @@
+"""Our forward pass and greedy decoding against transformers' on the same tiny random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+
+PROMPTS = [
+    [1, 17, 42, 99, 3, 250, 7],
+    [1, 5],
+    [1] + list(range(30, 90)),          # longer than several blocks
+    [1, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211],
+]
+MAX_NEW = 24
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         min_new_tokens=max_new, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _options(**overrides):
+    options = dict(dtype="float32", device="cpu", kv_cache_memory=8 << 20, block_size=16)
+    options.update(overrides)
+    return options
+
+
+@pytest.fixture(scope="module")
+def engine_llm(tiny_checkpoint):
+    folder, hf_model = tiny_checkpoint
+    return LLM(folder, **_options()), hf_model
+
+
+def test_logits_match_transformers(engine_llm):
+    llm, hf_model = engine_llm
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        hf_logits = hf_model(torch.tensor([prompt])).logits[0].float()
+    runner = llm.engine.runner
+    from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+    n = len(prompt)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n))
+    meta.prefills.append(PrefillChunk(0, n, n, None))
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, meta, runner.backend)
+        ours = runner.model.compute_logits(hidden)
+    # fp32 on both sides; differences are GEMM summation order only.
+    torch.testing.assert_close(ours, hf_logits, atol=2e-4, rtol=1e-4)
+
+
+def test_prompt_logprobs_match_transformers(engine_llm):
+    llm, hf_model = engine_llm
+    prompt = PROMPTS[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        assert out.prompt_logprobs[pos][prompt[pos]] == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
+
+
+def test_greedy_matches_transformers(engine_llm):
+    llm, hf_model = engine_llm
+    expected = [_hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
+    # min_tokens masks eos exactly as transformers' min_new_tokens does.
+    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(max_num_batched_tokens=5),                       # chunked prefill on every prompt
+    dict(kv_cache_memory=None, block_size=4),             # tiny pool: forces preemption (set below)
+    dict(max_num_seqs=1),                                 # one at a time
+], ids=["chunked-prefill", "preemption", "serial"])
+def test_batch_invariance(tiny_checkpoint, engine_llm, overrides):
+    folder, _ = tiny_checkpoint
+    reference_llm, _ = engine_llm
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    alone = [reference_llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    options = _options(**overrides)
+    if "block_size" in overrides:
+        # Room for the longest request plus a little: several requests cannot all fit.
+        per_token = reference_llm.engine.kv_bytes_per_token
+        options["kv_cache_memory"] = per_token * (len(PROMPTS[2]) + MAX_NEW + 8)
+    llm = LLM(folder, **options)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == alone
+    engine = llm.engine
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    if "block_size" in overrides:
+        assert engine.scheduler.num_preemptions_total > 0
