@@ -128,7 +128,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     engine = Engine.from_options(**engine_options_from_args(args))
     print(f"model {engine.source.path} ({engine.source.architecture}) on {engine.device}, {engine.dtype}; "
           f"KV cache {engine.kv_manager.capacity_tokens} tokens, {engine.kv_bytes_per_token} bytes/token")
-    command = "kvserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "kvserve " + shlex.join(args.argv)
     from kvserve.bench import format_table
     points = run_bench(engine, batch_sizes, args.input_len, args.output_len, args.repeats,
                        None if args.baseline == "none" else args.baseline, engine.config.model_config.seed,
@@ -141,6 +141,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])   # recorded in benchmark results
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}
     if args.command == "serve":

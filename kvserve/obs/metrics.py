@@ -1,0 +1,149 @@
+"""Prometheus metrics for the server, in the `kvserve:` namespace (named the way vLLM dashboards
+name theirs, with `kvserve:` for `vllm:`).
+
+Two kinds of series:
+- engine state (requests running/waiting, KV blocks, token and preemption totals) is read from the
+  latest `EngineSnapshot` at scrape time by a custom collector, so it is never stale and never
+  touches the engine from the HTTP thread;
+- per-request latencies (TTFT, time per output token, end-to-end, queue time) and sizes are
+  histograms observed when a request leaves the engine (`observe_finished`, called on the engine
+  thread; prometheus_client metrics are thread-safe).
+
+Each `ServerMetrics` has its own CollectorRegistry, so several servers (tests) can live in one
+process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+
+NAMESPACE = "kvserve"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# The names /metrics exposes (docs/server.md lists them; tests check they are all present).
+METRIC_NAMES = (
+    f"{NAMESPACE}:num_requests_running",
+    f"{NAMESPACE}:num_requests_waiting",
+    f"{NAMESPACE}:kv_cache_usage_perc",
+    f"{NAMESPACE}:kv_cache_blocks_total",
+    f"{NAMESPACE}:kv_cache_blocks_used",
+    f"{NAMESPACE}:kv_cache_capacity_tokens",
+    f"{NAMESPACE}:prompt_tokens_total",
+    f"{NAMESPACE}:generation_tokens_total",
+    f"{NAMESPACE}:num_preemptions_total",
+    f"{NAMESPACE}:engine_steps_total",
+    f"{NAMESPACE}:engine_step_errors_total",
+    f"{NAMESPACE}:request_success_total",
+    f"{NAMESPACE}:time_to_first_token_seconds",
+    f"{NAMESPACE}:time_per_output_token_seconds",
+    f"{NAMESPACE}:e2e_request_latency_seconds",
+    f"{NAMESPACE}:request_queue_time_seconds",
+    f"{NAMESPACE}:request_prompt_tokens",
+    f"{NAMESPACE}:request_generation_tokens",
+    f"{NAMESPACE}:http_request_errors_total",
+)
+
+
+class _EngineStateCollector:
+    """Turns the latest engine snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self._snapshot = snapshot
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._snapshot()
+        labels, values = ["model_name"], [self._model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"{NAMESPACE}:{name}", doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"{NAMESPACE}:{name}", doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", snap.num_running)
+        yield gauge("num_requests_waiting", "Requests queued or preempted, waiting to run.", snap.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", snap.kv_usage)
+        yield gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", snap.num_blocks)
+        yield gauge("kv_cache_blocks_used", "KV cache blocks held by requests.", snap.num_used_blocks)
+        yield gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.", snap.capacity_tokens)
+        yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
+        yield counter("num_preemptions", "Requests preempted (KV freed, recomputed later).",
+                      snap.num_preemptions_total)
+        yield counter("engine_steps", "Engine steps run.", snap.num_steps_total)
+        yield counter("engine_step_errors", "Engine steps that raised (their requests got an error).",
+                      snap.num_step_errors_total)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStateCollector(snapshot, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, labels, namespace="", buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram(f"{NAMESPACE}:time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.", _TTFT_BUCKETS)
+        self.tpot = histogram(f"{NAMESPACE}:time_per_output_token_seconds",
+                              "Mean time between generated tokens of a request, after the first.",
+                              _TPOT_BUCKETS)
+        self.e2e = histogram(f"{NAMESPACE}:e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.", _E2E_BUCKETS)
+        self.queue_time = histogram(f"{NAMESPACE}:request_queue_time_seconds",
+                                    "Time from request arrival to its first scheduling.", _TTFT_BUCKETS)
+        self.prompt_tokens = histogram(f"{NAMESPACE}:request_prompt_tokens",
+                                       "Prompt length of finished requests.", _TOKEN_BUCKETS)
+        self.generation_tokens = histogram(f"{NAMESPACE}:request_generation_tokens",
+                                           "Tokens generated by finished requests (all samples).",
+                                           _TOKEN_BUCKETS)
+        self._success = Counter(f"{NAMESPACE}:request_success", "Requests that left the engine, by reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._http_errors = Counter(f"{NAMESPACE}:http_request_errors",
+                                    "Requests answered with an error object, by status code.",
+                                    labels + ["status_code"], registry=self.registry)
+        for reason in ("stop", "length", "abort", "error"):
+            self._success.labels(model_name, reason)
+
+    def observe_finished(self, info: FinishedRequest) -> None:
+        self._success.labels(self.model_name, info.finish_reason).inc()
+        if info.finish_reason not in ("stop", "length"):
+            return   # aborted/failed requests would skew the latency histograms
+        self.e2e.observe(max(0.0, info.finished_time - info.arrival_time))
+        if info.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, info.first_scheduled_time - info.arrival_time))
+        if info.first_token_time is not None:
+            self.ttft.observe(max(0.0, info.first_token_time - info.arrival_time))
+            if info.max_sample_tokens > 1:
+                self.tpot.observe(max(0.0, info.finished_time - info.first_token_time)
+                                  / (info.max_sample_tokens - 1))
+        self.prompt_tokens.observe(info.num_prompt_tokens)
+        self.generation_tokens.observe(info.num_generation_tokens)
+
+    def count_error(self, status_code: int) -> None:
+        self._http_errors.labels(self.model_name, str(status_code)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""ServerConfig: every option of the HTTP server, one field each; the `serve` flags come from here.
+
+Engine options stay in kvserve/config.py; `kvserve serve` takes both sets of flags. As there, a
+field `max_request_bytes` is the flag `--max-request-bytes`, so a new option is added here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvserve.config import _parse_bytes
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = _opt(8000, "TCP port to listen on")
+    served_model_name: Optional[str] = _opt(
+        None, "model name clients send and /v1/models lists (default: derived from --model)")
+    api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on /v1 endpoints "
+                                        "(also read from $KVSERVE_API_KEY)")
+    api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name; any listed key "
+                                              "is accepted and sets the request's tenant")
+    max_request_bytes: int = _opt(4 << 20, "largest request body accepted (e.g. 4MiB); larger ones get 413 "
+                                           "before anything is parsed")
+    max_n: int = _opt(16, "largest n (samples per prompt) a request may ask for")
+    max_prompts_per_request: int = _opt(256, "most prompts one /v1/completions request may carry")
+    max_logprobs: int = _opt(20, "largest logprobs / top_logprobs a request may ask for")
+    shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown before "
+                                         "they are aborted with an error")
+    access_log: bool = _opt(False, "log every HTTP request (uvicorn access log)")
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_request_bytes", "max_n", "max_prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20] (the sampler's limit), got {self.max_logprobs}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    def load_api_keys(self) -> dict[str, Optional[str]]:
+        """API key -> tenant (None for --api-key). Empty: no authentication."""
+        keys: dict[str, Optional[str]] = {}
+        if self.api_keys_file:
+            try:
+                with open(self.api_keys_file, encoding="utf-8") as f:
+                    mapping = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read --api-keys-file {self.api_keys_file!r}: {exc}") from None
+            if not isinstance(mapping, dict) or not all(
+                    isinstance(k, str) and k and (v is None or isinstance(v, str)) for k, v in mapping.items()):
+                raise ValueError(f"--api-keys-file {self.api_keys_file!r} must be a JSON object of "
+                                 "non-empty key strings to tenant strings")
+            keys.update(mapping)
+        api_key = self.api_key or os.environ.get("KVSERVE_API_KEY")
+        if api_key:
+            keys[api_key] = keys.get(api_key)
+        return keys
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Adds one `--flag-name` per ServerConfig field."""
+    group = parser.add_argument_group("server")
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if f.type in ("bool", bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_text)
+            continue
+        kind: Any = str
+        if f.name == "max_request_bytes":
+            kind = _parse_bytes
+        elif "int" in str(f.type):
+            kind = int
+        elif "float" in str(f.type):
+            kind = float
+        group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    config = ServerConfig(**{k: v for k, v in vars(args).items() if k in names})
+    config.validate()
+    return config

@@ -1,0 +1,115 @@
+"""Request schemas of the OpenAI-compatible API (pydantic, strict types).
+
+Strict mode: a string where a number belongs, or 1.0 where an integer belongs, is a 400 naming the
+field, not a silent coercion. Unknown fields are ignored, as OpenAI's own API and most servers do,
+so clients sending newer fields keep working. Range checks live in SamplingParams (one owner);
+what only the server can know (served model name, n limit, context length) lives in serving.py.
+
+Extension fields beyond OpenAI's: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), and priority /
+tenant for the scheduling and multi-tenant work of later issues (accepted and recorded now).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage in every chunk (extension)")
+
+
+class _SamplingFields(_Strict):
+    model: Optional[str] = Field(None, description="a name from /v1/models; omitted means the served model")
+    temperature: Optional[float] = Field(None, description="0 = greedy; default 1")
+    top_p: Optional[float] = Field(None, description="nucleus mass in (0, 1]; default 1")
+    top_k: Optional[int] = Field(None, description="keep the k most likely tokens; 0 or -1 disables")
+    min_p: Optional[float] = Field(None, description="drop tokens below min_p x the top probability")
+    n: int = Field(1, description="samples per prompt")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported: must be empty")
+    user: Optional[str] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, description="scheduling priority (extension; recorded, used by later issues)")
+    tenant: Optional[str] = Field(None, description="tenant name (extension); an API key's tenant wins")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        ..., description="a string, a list of strings, a list of token ids or a list of token-id lists")
+    max_tokens: Optional[int] = Field(16, description="tokens to generate per sample (default 16)")
+    echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs, with logprobs)")
+    logprobs: Optional[int] = Field(None, description="top-N logprobs per token (0 = the chosen token only)")
+    suffix: Optional[str] = Field(None, description="not supported: must be null")
+    best_of: Optional[int] = Field(None, description="only best_of == n is supported")
+    add_special_tokens: bool = Field(True, description="tokenize string prompts with the BOS token etc.")
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., description="the conversation; at least one message")
+    max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens")
+    max_completion_tokens: Optional[int] = Field(None, description="default: what max_model_len leaves")
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported: must be empty")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = Field(None, description="text to tokenize (or give messages)")
+    messages: Optional[list[ChatMessage]] = Field(None, description="a conversation, via the chat template")
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+# Messages for fields whose type is a union, where pydantic would report one error per member.
+UNION_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "must be a string, a list of strings or null",
+    "content": "must be a string, a list of {\"type\": \"text\", \"text\": ...} parts or null",
+    "tool_choice": "must be a string, an object or null",
+}

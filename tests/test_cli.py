@@ -1,0 +1,51 @@
+"""The `kvserve` command line: flags map onto engine options; errors name the problem."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TEST_DEVICE, requires_default_model
+from kvserve.cli import build_parser, main
+from kvserve.config import engine_options_from_args
+
+
+def test_every_engine_option_is_a_flag():
+    args = build_parser().parse_args(["generate", "hi", "--block-size", "32", "--kv-cache-memory", "512MiB",
+                                      "--max-num-seqs", "4", "--no-enable-chunked-prefill", "--dtype", "bf16"])
+    options = engine_options_from_args(args)
+    assert options["block_size"] == 32 and options["kv_cache_memory"] == 512 << 20
+    assert options["max_num_seqs"] == 4 and options["enable_chunked_prefill"] is False
+    assert options["dtype"] == "bf16"
+
+
+def test_missing_model_is_a_clear_cli_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "hi", "--model", str(tmp_path / "nope")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error" in err and "nope" in err and "Traceback" not in err
+
+
+def test_bench_writes_json(tiny_checkpoint, tmp_path):
+    folder, _ = tiny_checkpoint
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", folder, "--device", TEST_DEVICE, "--batch-sizes", "1,4", "--input-len", "8",
+                 "--output-len", "4", "--kv-cache-memory", "4MiB", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    points = record["points"]
+    assert [p["batch_size"] for p in points] == [1, 4]
+    assert all(p["output_tokens_per_s"] > 0 and p["extra"]["peak_kv_usage"] > 0 for p in points)
+    assert record["command"].startswith("kvserve bench")
+
+
+@requires_default_model
+def test_generate_default_model_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "What is the capital of France?",
+                           "--max-tokens", "16", "--kv-cache-memory", "64MiB", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

@@ -1,0 +1,107 @@
+"""Engine-level behaviour on a tiny model: admission, aborts, block accounting, options."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TEST_DEVICE
+from kvserve import SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.engine import Engine
+from kvserve.engine.scheduler import RequestRejected
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    return Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=2 << 20,
+                               block_size=16, max_model_len=256)
+
+
+def _drain(engine: Engine, limit: int = 10_000) -> list:
+    finished = []
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return finished
+        finished += [o for o in engine.step() if o.finished]
+    raise AssertionError("engine did not finish its requests")
+
+
+def test_unknown_option_is_rejected():
+    with pytest.raises(TypeError, match="unknown engine option 'block_sise'"):
+        EngineConfig.from_options(block_sise=8)
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig.from_options(block_size=0)
+
+
+def test_kv_bytes_per_token_and_capacity(engine):
+    hf = engine.model.config
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    assert engine.kv_bytes_per_token == 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4
+    assert engine.kv_manager.capacity_tokens == engine.kv_manager.num_blocks * 16
+    assert engine.kv_manager.num_blocks == (2 << 20) // (engine.kv_bytes_per_token * 16)
+
+
+def test_too_long_requests_are_rejected_at_admission(engine):
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        engine.add_request(None, [1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.add_request(None, [], SamplingParams(max_tokens=10))
+    with pytest.raises(RequestRejected, match="token ids"):
+        engine.add_request(None, [1, 10_000], SamplingParams(max_tokens=10))
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_over_kv_capacity_is_rejected(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    small = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, block_size=16,
+                                kv_cache_memory=4 * 16 * 3 * 2 * 2 * 16 * 4)   # 4 blocks = 64 tokens
+    assert small.max_model_len == 64       # clipped to what the cache holds
+    with pytest.raises(RequestRejected):
+        small.add_request(None, [1] * 60, SamplingParams(max_tokens=10))
+
+
+def test_abort_frees_blocks_at_once(engine):
+    rid = engine.add_request("to-abort", [1] * 40, SamplingParams(max_tokens=100, ignore_eos=True))
+    other = engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv_manager.num_free_blocks < engine.kv_manager.num_blocks
+    assert engine.abort(rid)
+    assert not engine.abort(rid)
+    finished = _drain(engine)
+    assert [o.request_id for o in finished] == [other]
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    assert engine.kv_manager.num_tracked_requests == 0
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    _drain(engine)
+
+
+def test_max_tokens_default_fills_context_and_stops_at_max_model_len(engine):
+    engine.add_request("long", [1] * 200, SamplingParams(max_tokens=None, ignore_eos=True))
+    [out] = _drain(engine)
+    assert len(out.outputs[0].token_ids) == 56 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_n(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("ref", [1, 5, 9], greedy)
+    [ref] = _drain(engine)
+    tokens = ref.outputs[0].token_ids
+    stop_at = tokens[5]
+    engine.add_request("stopped", [1, 5, 9], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                            stop_token_ids=[stop_at]))
+    [out] = _drain(engine)
+    assert out.outputs[0].token_ids == tokens[: tokens.index(stop_at) + 1]
+    assert out.outputs[0].stop_reason == stop_at and out.outputs[0].finish_reason == "stop"
+
+    engine.add_request("many", [1, 5, 9], SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3))
+    [many] = _drain(engine)
+    assert [c.index for c in many.outputs] == [0, 1, 2, 3]
+    assert all(1 <= len(c.token_ids) <= 6 for c in many.outputs)
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
