@@ -75,7 +75,9 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
 def load_transformers_model(source, dtype: torch.dtype, device: torch.device, load_format: str):
     import transformers
     if load_format == "dummy":
-        model = transformers.AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
+        # Built on the device: initialising billions of random weights on the host takes minutes.
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
     elif source.path.endswith(".gguf"):
         folder, name = os.path.split(source.path)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)

@@ -31,14 +31,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """One query token per sequence over its paged context.
 
     query [B, heads, D]; context_slots [B, L] (padding anywhere valid); context_mask [B, L] bool.
-    Returns [B, heads, D].
+    Returns [B, heads, D]. The query heads of a GQA group are stacked as rows against their one
+    KV head, so K/V are read once per KV head and never expanded (SDPA with a mask and GQA falls
+    back to expanding them: 7x the bytes for a 28/4-head model).
     """
-    keys = gather_kv(k_cache, context_slots).transpose(1, 2).to(query.dtype)    # [B, kvh, L, D]
-    values = gather_kv(v_cache, context_slots).transpose(1, 2).to(query.dtype)
-    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
-                                         attn_mask=context_mask[:, None, None, :],
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    batch, num_heads, head_dim = query.shape
+    keys = gather_kv(k_cache, context_slots).permute(0, 2, 3, 1).to(query.dtype)    # [B, kvh, D, L]
+    values = gather_kv(v_cache, context_slots).transpose(1, 2).to(query.dtype)      # [B, kvh, L, D]
+    num_kv_heads = keys.shape[1]
+    grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys).float() * scale                            # [B, kvh, G, L]
+    scores.masked_fill_(~context_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

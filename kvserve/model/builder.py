@@ -52,8 +52,9 @@ def build_model(source, dtype: torch.dtype, device: torch.device, load_format: s
         _init_random(model, seed)
     else:
         model.load_weights(source.iter_weights())
-    # Rotary frequencies stay fp32 whatever the model dtype, as in transformers.
-    model.rotary.inv_freq = model.rotary.inv_freq.float()
+    # Rotary frequencies stay fp32 whatever the model dtype, as in transformers; scaled variants
+    # are computed on the host, so move them too.
+    model.rotary.inv_freq = model.rotary.inv_freq.to(device=device, dtype=torch.float32)
     return model.eval().requires_grad_(False)
 
 

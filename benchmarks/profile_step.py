@@ -1,0 +1,68 @@
+"""Where an engine step's time goes: cProfile (host) and torch.profiler (device) over decode steps.
+
+python benchmarks/profile_step.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --batch-size 1 --kv-cache-memory 8GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from kvserve.config import add_engine_args, engine_options_from_args
+from kvserve.engine.engine import Engine
+from kvserve.engine.sampling import SamplingParams
+from kvserve.bench import random_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    add_engine_args(parser)
+    args = parser.parse_args()
+    engine = Engine.from_options(**engine_options_from_args(args))
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for prompt in random_prompts(args.batch_size, args.input_len, engine.model.config.vocab_size, 0):
+        engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    print(f"decode step: {(time.perf_counter() - started) / args.steps * 1e3:.2f} ms at batch {args.batch_size}")
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+    print(stream.getvalue())
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.step()
+        sync()
+    sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
