@@ -28,7 +28,7 @@ def main() -> None:
     add_engine_args(parser)
     args = parser.parse_args()
     engine = Engine.from_options(**engine_options_from_args(args))
-    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.steps * 2 + 10, temperature=0.0, ignore_eos=True)
     for prompt in random_prompts(args.batch_size, args.input_len, engine.model.config.vocab_size, 0):
         engine.add_request(None, {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):

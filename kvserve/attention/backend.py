@@ -25,7 +25,7 @@ class TorchAttentionBackend:
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             output[:num_decodes] = reference.paged_decode_attention(
-                query[:num_decodes], k_cache, v_cache, meta.decode_context_slots,
+                query[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
                 meta.decode_context_mask, scale)
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)

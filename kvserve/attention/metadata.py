@@ -23,10 +23,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
     num_decode_tokens: int = 0
-    decode_context_slots: torch.Tensor | None = None   # [num_decodes, max_context] slots
-    decode_context_mask: torch.Tensor | None = None    # [num_decodes, max_context] bool
-    decode_context_lens: torch.Tensor | None = None    # [num_decodes] int32 (for fast kernels)
-    decode_block_tables: torch.Tensor | None = None    # [num_decodes, max_blocks] int32 (for fast kernels)
+    decode_block_tables: torch.Tensor | None = None    # [num_decodes, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor | None = None    # [num_decodes] int32
+    decode_context_mask: torch.Tensor | None = None    # [num_decodes, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @property
