@@ -31,6 +31,9 @@ class ModelConfig:
     max_model_len: Optional[int] = _opt(None, "longest prompt + output, in tokens (default: the model's limit, "
                                               "clipped to what the KV cache holds)")
     seed: int = _opt(0, "seed for dummy weights and for requests sampled without their own seed")
+    enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    attention_backend: str = _opt("auto", "auto (triton on CUDA when importable, else torch), triton or torch",
+                                  choices=("auto", "triton", "torch"))
 
 
 @dataclass

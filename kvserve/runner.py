@@ -34,7 +34,8 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, eos_token_ids: set[int]) -> None:
+                 num_blocks: int, block_size: int, eos_token_ids: set[int],
+                 attention_backend: str = "auto") -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -45,8 +46,9 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(model.num_kv_layers)]
-        self.backend = get_attention_backend(device)
+        self.backend = get_attention_backend(device, attention_backend)
         self.sampler = Sampler()
+        self.graphs: "DecodeGraphs | None" = None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -96,9 +98,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[StepResult]:
-        ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables)
-        with self._sdpa_backends():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        ordered = None
+        if self.graphs is not None:
+            ordered, hidden = self.graphs.try_run(sched_out.scheduled, block_tables)
+        if ordered is None:
+            ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables)
+            with self._sdpa_backends():
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
 
         sample_rows, row_requests, offset = [], [], 0
         for item in ordered:
@@ -117,6 +123,12 @@ class ModelRunner:
         result = self.sampler(logits, rows, self.eos_token_ids)
         return [StepResult(request, token, lp)
                 for request, token, lp in zip(row_requests, result.token_ids, result.logprobs)]
+
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Captures decode steps for a ladder of batch sizes (see DecodeGraphs)."""
+        if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
+            return
+        self.graphs = DecodeGraphs(self, max_batch_size, max_model_len)
 
     def _sdpa_backends(self):
         """Keeps SDPA off cuDNN: it builds a new plan for every new sequence length, which cost
@@ -158,3 +170,91 @@ class ModelRunner:
         with torch.inference_mode(), self._sdpa_backends():
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             self.model.compute_logits(hidden[:num_logit_rows])
+
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to the limit: padding wastes at most 15 rows."""
+    sizes = [size for size in (1, 2, 4, 8) if size <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 16))
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+class DecodeGraphs:
+    """CUDA graphs of pure-decode steps, one per batch size on a ladder; a step pads to the next.
+
+    Decode steps are launch-bound at small batch (hundreds of small kernels per step), so replaying
+    a captured graph removes the host from the loop. The graphs read static buffers: token ids,
+    positions, slots (-1 = padding row, skipped by the store kernel), block tables at the full
+    width max_model_len / block_size (only the columns a step needs are refreshed: the kernel never
+    reads past a sequence's own blocks) and context lengths (0 = padding row). Steps with prefill
+    chunks, prompt logprobs or a batch over the largest size run eagerly.
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch_size: int, max_model_len: int) -> None:
+        self.runner = runner
+        device = runner.device
+        self.sizes = graph_batch_sizes(max_batch_size)
+        largest = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        # Largest first, so smaller graphs reuse the largest one's memory pool.
+        for size in reversed(self.sizes):
+            meta = self._meta(size)
+            with torch.inference_mode():
+                for _ in range(2):   # warm-up: triton compiles/autotunes outside the capture
+                    runner.model(self.input_ids[:size], self.positions[:size], runner.kv_caches, meta, runner.backend)
+                torch.cuda.synchronize(device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = runner.model(self.input_ids[:size], self.positions[:size],
+                                                      runner.kv_caches, meta, runner.backend)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
+                                 decode_block_tables=self.block_tables[:size],
+                                 decode_context_lens=self.context_lens[:size])
+
+    def try_run(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]):
+        """(ordered items, hidden [n, H]) from a graph replay, or (None, None) if the step does not fit."""
+        count = len(items)
+        if count > self.sizes[-1] or any(item.num_new_tokens != 1 or item.request.params.prompt_logprobs is not None
+                                         for item in items):
+            return None, None
+        size = next(s for s in self.sizes if s >= count)
+        block_size = self.runner.block_size
+        positions = np.fromiter((item.request.num_computed_tokens for item in items), dtype=np.int64, count=count)
+        token_ids = np.fromiter((item.request.all_token_ids[-1] for item in items), dtype=np.int64, count=count)
+        tables = [block_tables[item.request.request_id] for item in items]
+        width = max(len(t) for t in tables)
+        table_array = np.zeros((size, width), dtype=np.int32)
+        for row, table in enumerate(tables):
+            table_array[row, :len(table)] = table
+        slots = np.full(size, -1, dtype=np.int64)
+        slots[:count] = table_array[np.arange(count), positions // block_size].astype(np.int64) * block_size \
+            + positions % block_size
+        context_lens = np.zeros(size, dtype=np.int32)
+        context_lens[:count] = positions + 1
+        padded_ids = np.zeros(size, dtype=np.int64)
+        padded_ids[:count] = token_ids
+        padded_pos = np.zeros(size, dtype=np.int64)
+        padded_pos[:count] = positions
+        self.input_ids[:size].copy_(torch.from_numpy(padded_ids), non_blocking=True)
+        self.positions[:size].copy_(torch.from_numpy(padded_pos), non_blocking=True)
+        self.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.context_lens[:size].copy_(torch.from_numpy(context_lens), non_blocking=True)
+        self.block_tables[:size, :width].copy_(torch.from_numpy(table_array), non_blocking=True)
+        self.graphs[size].replay()
+        return items, self.outputs[size][:count]

@@ -49,3 +49,12 @@ def test_generate_default_model_subprocess():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+@requires_default_model
+def test_interactive_chat_streams_a_reply():
+    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "chat", "--max-tokens", "16", "--kv-cache-memory",
+                           "64MiB", "--device", "cpu"], input="What is the capital of France?\n/reset\n",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

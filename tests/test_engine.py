@@ -105,3 +105,12 @@ def test_stop_token_ids_and_n(engine):
     assert [c.index for c in many.outputs] == [0, 1, 2, 3]
     assert all(1 <= len(c.token_ids) <= 6 for c in many.outputs)
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_graph_batch_ladder_covers_every_batch_size():
+    from kvserve.runner import graph_batch_sizes
+    sizes = graph_batch_sizes(100)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 100
+    for batch in range(1, 101):
+        padded = next(s for s in sizes if s >= batch)
+        assert padded - batch < 16

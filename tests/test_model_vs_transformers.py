@@ -81,7 +81,8 @@ def test_greedy_matches_transformers(engine_llm):
     dict(max_num_batched_tokens=5),                       # chunked prefill on every prompt
     dict(kv_cache_memory=None, block_size=4),             # tiny pool: forces preemption (set below)
     dict(max_num_seqs=1),                                 # one at a time
-], ids=["chunked-prefill", "preemption", "serial"])
+    dict(enforce_eager=True, attention_backend="torch"),  # on CUDA: reference vs triton + CUDA graphs
+], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference"])
 def test_batch_invariance(tiny_checkpoint, engine_llm, overrides):
     folder, _ = tiny_checkpoint
     reference_llm, _ = engine_llm

@@ -37,5 +37,19 @@ class TorchAttentionBackend:
         return output
 
 
-def get_attention_backend(device: torch.device) -> TorchAttentionBackend:
-    return TorchAttentionBackend()
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_attention_backend(device: torch.device, name: str = "auto"):
+    """The Triton backend on CUDA when triton imports (the fast path), else the torch reference."""
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_available())):
+        return TorchAttentionBackend()
+    if device.type != "cuda":
+        raise ValueError("the triton attention backend needs a CUDA device")
+    from kvserve.attention.triton_backend import TritonAttentionBackend
+    return TritonAttentionBackend()

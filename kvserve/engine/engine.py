@@ -73,7 +73,14 @@ class Engine:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
+                                  model_cfg.attention_backend)
+        if not model_cfg.enforce_eager:
+            started = time.perf_counter()
+            self.runner.capture_cuda_graphs(config.scheduler_config.max_num_seqs, max_model_len)
+            if self.runner.graphs is not None:
+                logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
+                            self.runner.graphs.sizes, time.perf_counter() - started)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -110,7 +117,7 @@ class Engine:
         block_size = self.config.cache_config.block_size
         probe_tokens = sched.max_num_batched_tokens
         probe = ModelRunner(self.model, self.device, self.dtype, -(-probe_tokens // block_size) + 1,
-                            block_size, set())
+                            block_size, set(), self.config.model_config.attention_backend)
         probe.profile_forward(probe_tokens, min(sched.max_num_seqs, probe_tokens))
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - before
