@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time transformers generate in the same run")
     bench.add_argument("--json", default=None, help="write results JSON here")
     add_engine_args(bench)
+
+    from kvserve.server.config import add_server_args
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    add_server_args(serve)
+    add_engine_args(serve)
     return parser
 
 

@@ -229,9 +229,6 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> RequestStream:
-        return await self.add_request(request_id, prompt, params, **kwargs)
-
     def abort(self, request_id: str) -> None:
         """Thread-safe and non-blocking; the engine frees the request's blocks before its next step."""
         self._submit(("abort", request_id))

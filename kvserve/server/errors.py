@@ -50,9 +50,13 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
 
 def from_value_error(exc: ValueError, default_param: Optional[str] = None) -> APIError:
     """SamplingParams / the engine raise ValueErrors whose message starts with the bad field's name."""
+    import dataclasses
+
+    from kvserve.engine.sampling import SamplingParams
     message = str(exc) or "invalid request"
     first_word = message.split(" ", 1)[0]
-    param = first_word if first_word.isidentifier() and first_word.islower() else default_param
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    param = first_word if first_word in fields else default_param
     code = "context_length_exceeded" if "max_model_len" in message else None
     return APIError(400, message, param=param, code=code)
 
@@ -81,8 +85,9 @@ def format_validation_errors(errors: list[dict[str, Any]]) -> APIError:
         params.append(param)
     shown = parts[:5]
     more = f" (and {len(parts) - 5} more)" if len(parts) > 5 else ""
+    missing = all(err.get("type") == "missing" for err in errors)
     return APIError(400, "invalid request: " + "; ".join(shown) + more, param=(params[0] or None) if params else None,
-                    code="invalid_type")
+                    code="missing_required_field" if missing else "invalid_type")
 
 
 def _is_type_tag(part: str) -> bool:

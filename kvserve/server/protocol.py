@@ -17,6 +17,11 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def _range(minimum: float, maximum: Optional[float] = None) -> dict[str, float]:
+    """Documents a field's range in the OpenAPI schema; SamplingParams enforces it (one owner)."""
+    return {"minimum": minimum} if maximum is None else {"minimum": minimum, "maximum": maximum}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -28,22 +33,25 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: Optional[str] = Field(None, description="a name from /v1/models; omitted means the served model")
-    temperature: Optional[float] = Field(None, description="0 = greedy; default 1")
-    top_p: Optional[float] = Field(None, description="nucleus mass in (0, 1]; default 1")
-    top_k: Optional[int] = Field(None, description="keep the k most likely tokens; 0 or -1 disables")
-    min_p: Optional[float] = Field(None, description="drop tokens below min_p x the top probability")
-    n: int = Field(1, description="samples per prompt")
+    temperature: Optional[float] = Field(None, description="0 = greedy; default 1", json_schema_extra=_range(0))
+    top_p: Optional[float] = Field(None, description="nucleus mass in (0, 1]; default 1",
+                                   json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: Optional[int] = Field(None, description="keep the k most likely tokens; 0 or -1 disables",
+                                 json_schema_extra=_range(-1))
+    min_p: Optional[float] = Field(None, description="drop tokens below min_p x the top probability",
+                                   json_schema_extra=_range(0, 1))
+    n: int = Field(1, description="samples per prompt (the server's --max-n caps it)", json_schema_extra=_range(1))
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None
     seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = Field(None, json_schema_extra=_range(-2, 2))
+    frequency_penalty: Optional[float] = Field(None, json_schema_extra=_range(-2, 2))
+    repetition_penalty: Optional[float] = Field(None, json_schema_extra={"exclusiveMinimum": 0})
     logit_bias: Optional[dict[str, float]] = Field(None, description="not supported: must be empty")
     user: Optional[str] = None
-    min_tokens: int = 0
+    min_tokens: int = Field(0, json_schema_extra=_range(0))
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -54,9 +62,11 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="a string, a list of strings, a list of token ids or a list of token-id lists")
-    max_tokens: Optional[int] = Field(16, description="tokens to generate per sample (default 16)")
+    max_tokens: Optional[int] = Field(16, description="tokens to generate per sample (default 16)",
+                                      json_schema_extra=_range(1))
     echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs, with logprobs)")
-    logprobs: Optional[int] = Field(None, description="top-N logprobs per token (0 = the chosen token only)")
+    logprobs: Optional[int] = Field(None, description="top-N logprobs per token (0 = the chosen token only)",
+                                    json_schema_extra=_range(0, 20))
     suffix: Optional[str] = Field(None, description="not supported: must be null")
     best_of: Optional[int] = Field(None, description="only best_of == n is supported")
     add_special_tokens: bool = Field(True, description="tokenize string prompts with the BOS token etc.")
@@ -78,11 +88,14 @@ class ResponseFormat(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., description="the conversation; at least one message")
-    max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: Optional[int] = Field(None, description="default: what max_model_len leaves")
+    messages: list[ChatMessage] = Field(..., description="the conversation; at least one message",
+                                        json_schema_extra={"minItems": 1})
+    max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens",
+                                      json_schema_extra=_range(1))
+    max_completion_tokens: Optional[int] = Field(None, description="default: what max_model_len leaves",
+                                                 json_schema_extra=_range(1))
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, description="needs logprobs: true", json_schema_extra=_range(0, 20))
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported: must be empty")
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

@@ -1,0 +1,359 @@
+"""Open-loop serving benchmark: Poisson arrivals at several request rates against `kvserve serve`.
+
+For each rate, requests are sent at exponentially distributed gaps (seeded) whether or not earlier
+ones have finished (open loop, as real traffic), each a streamed chat completion with max_tokens
+drawn uniformly from [--min-tokens, --max-tokens]. Per request it records time to first token
+(TTFT), time per output token after the first (TPOT) and end-to-end latency; per rate it reports
+output-token throughput, TTFT/TPOT p50/p99, and goodput: requests meeting the SLO (TTFT <= --slo-ttft
+and TPOT <= --slo-tpot) per second of the whole run (first send to last completion).
+
+Usage (starts its own server with the given engine flags, then stops it):
+    python benchmarks/serve_bench.py --rates 1,2,4 --duration 30 \\
+        --json benchmarks/results/serve_cpu_default_model.json -- --kv-cache-memory 1GiB
+or against a running server:
+    python benchmarks/serve_bench.py --url http://127.0.0.1:8000 --rates 2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+# Short instructions in the style of chat benchmarks; the model answers at its own length, capped by
+# max_tokens (so outputs end at EOS or at the cap, as with real traffic).
+TOPICS = [
+    "the water cycle", "how a bicycle works", "the history of the printing press", "why the sky is blue",
+    "photosynthesis", "the rules of chess", "how vaccines work", "the causes of the seasons",
+    "how a computer stores numbers", "the life of honey bees", "volcanoes", "how airplanes fly",
+    "the French revolution", "black holes", "how to make bread", "the immune system", "ocean tides",
+    "the invention of the telephone", "plate tectonics", "how rainbows form", "the Roman empire",
+    "electric cars", "the human heart", "the moon landing", "recycling", "the internet",
+]
+TASKS = [
+    "Explain {} to a ten-year-old.", "Write a short paragraph about {}.", "Give three facts about {}.",
+    "Summarize what you know about {} in a few sentences.", "Describe {} step by step.",
+    "What are the most important things to know about {}?",
+]
+
+
+@dataclass
+class RequestResult:
+    send_time: float
+    ttft: Optional[float] = None
+    e2e: Optional[float] = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    error: Optional[str] = None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class RatePoint:
+    request_rate: float
+    num_requests: int
+    num_completed: int
+    num_errors: int
+    duration_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    ttft_p50_s: Optional[float]
+    ttft_p99_s: Optional[float]
+    tpot_p50_s: Optional[float]
+    tpot_p99_s: Optional[float]
+    e2e_p50_s: Optional[float]
+    e2e_p99_s: Optional[float]
+    goodput_req_per_s: float
+    goodput_fraction: float
+    server_preemptions: Optional[float] = None
+    errors: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def make_requests(rate: float, duration: float, min_tokens: int, max_tokens: int,
+                  seed: int) -> list[tuple[float, str, int]]:
+    """(send offset in s, prompt, max_tokens) for a Poisson process of `rate` over `duration`."""
+    rng = random.Random(seed)
+    count = max(1, round(rate * duration))
+    offset, requests = 0.0, []
+    for _ in range(count):
+        prompt = rng.choice(TASKS).format(rng.choice(TOPICS))
+        requests.append((offset, prompt, rng.randint(min_tokens, max_tokens)))
+        offset += rng.expovariate(rate)
+    return requests
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      start: float, headers: dict[str, str]) -> RequestResult:
+    result = RequestResult(send_time=time.perf_counter() - start, max_tokens=max_tokens)
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if result.ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    result.ttft = time.perf_counter() - sent
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        result.e2e = time.perf_counter() - sent
+        if result.ttft is None:       # no visible text at all (e.g. EOS first): first token == last
+            result.ttft = result.e2e
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def scrape_metric(client: httpx.AsyncClient, url: str, name: str) -> Optional[float]:
+    try:
+        text = (await client.get(url + "/metrics")).text
+    except httpx.HTTPError:
+        return None
+    total = None
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
+                   headers: dict[str, str]) -> RatePoint:
+    plan = make_requests(rate, args.duration, args.min_tokens, args.max_tokens, args.seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
+        preempt_before = await scrape_metric(client, url, "kvserve:num_preemptions_total")
+        start = time.perf_counter()
+        tasks = []
+        for offset, prompt, max_tokens in plan:
+            delay = offset - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, start, headers)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        preempt_after = await scrape_metric(client, url, "kvserve:num_preemptions_total")
+
+    done = [r for r in results if r.error is None and r.e2e is not None]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    good = [r for r in done if r.ttft is not None and r.ttft <= args.slo_ttft
+            and (r.tpot is None or r.tpot <= args.slo_tpot)]
+    output_tokens = sum(r.output_tokens for r in done)
+    return RatePoint(
+        request_rate=rate, num_requests=len(results), num_completed=len(done),
+        num_errors=len(results) - len(done), duration_s=round(duration, 3),
+        output_tokens_per_s=round(output_tokens / duration, 2), requests_per_s=round(len(done) / duration, 3),
+        mean_prompt_tokens=round(statistics.fmean([r.prompt_tokens for r in done]), 1) if done else 0.0,
+        mean_output_tokens=round(statistics.fmean([r.output_tokens for r in done]), 1) if done else 0.0,
+        ttft_p50_s=_round(percentile(ttfts, 50)), ttft_p99_s=_round(percentile(ttfts, 99)),
+        tpot_p50_s=_round(percentile(tpots, 50)), tpot_p99_s=_round(percentile(tpots, 99)),
+        e2e_p50_s=_round(percentile([r.e2e for r in done], 50)), e2e_p99_s=_round(percentile([r.e2e for r in done], 99)),
+        goodput_req_per_s=round(len(good) / duration, 3), goodput_fraction=round(len(good) / len(results), 3),
+        server_preemptions=(preempt_after - preempt_before) if None not in (preempt_after, preempt_before) else None,
+        errors=sorted({r.error for r in results if r.error})[:5])
+
+
+def _round(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 4)
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpu_count": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["cpu"] = names[0] if names else None
+    except OSError:
+        pass
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sys.path.insert(0, repo)
+        import kvserve
+        info["kvserve"] = kvserve.__version__
+    except ImportError:
+        pass
+    finally:
+        sys.path.remove(repo)
+    try:
+        def git(*cmd: str) -> str:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=repo).stdout.strip()
+        info["git_commit"] = git("rev-parse", "HEAD") or None
+        info["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except OSError:
+        pass
+    return info
+
+
+def start_server(serve_args: list[str], port: int, log_path: str) -> subprocess.Popen:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port), *serve_args],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy within {timeout:.0f} s")
+
+
+def format_table(points: list[RatePoint]) -> str:
+    header = (f"{'rate':>5} {'reqs':>5} {'err':>4} {'dur s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8} {'good %':>7} {'out tok':>7}")
+    rows = [header]
+    for p in points:
+        def f(v):
+            return f"{v:9.3f}" if v is not None else f"{'-':>9}"
+        rows.append(f"{p.request_rate:5.2f} {p.num_requests:5d} {p.num_errors:4d} {p.duration_s:7.1f} "
+                    f"{p.output_tokens_per_s:9.1f} {f(p.ttft_p50_s)} {f(p.ttft_p99_s)} {f(p.tpot_p50_s)} "
+                    f"{f(p.tpot_p99_s)} {p.goodput_req_per_s:8.3f} {100 * p.goodput_fraction:6.1f}% "
+                    f"{p.mean_output_tokens:7.1f}")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, serve_args = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=None, help="a running server; default: start `kvserve serve` "
+                                                    "with the flags after `--`")
+    parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
+    parser.add_argument("--rates", default="1,2,4", help="comma-separated request rates (req/s)")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    parser.add_argument("--min-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.2, help="seconds per output token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/serve_cpu.json)")
+    args = parser.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+
+    load_before = os.getloadavg()
+    proc = None
+    url = args.url
+    if url is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvserve-serve-bench-{port}.log")
+        print(f"starting kvserve serve {' '.join(serve_args)} on {url} (log: {log_path})", flush=True)
+        proc = start_server(serve_args, port, log_path)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        wait_healthy(url, proc, args.startup_timeout)
+        models = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"]
+        model = args.model or models[0]["id"]
+
+        async def warmup() -> None:
+            async with httpx.AsyncClient(timeout=args.request_timeout) as client:
+                for i in range(args.warmup):
+                    await one_request(client, url, model, "Say hello.", 8, time.perf_counter(), headers)
+
+        asyncio.run(warmup())
+        points = []
+        for rate in rates:
+            point = asyncio.run(run_rate(url, model, rate, args, headers))
+            points.append(point)
+            lines = format_table([point]).splitlines()
+            print("\n".join(lines if len(points) == 1 else lines[1:]), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    print()
+    print(format_table(points))
+    if args.json:
+        report = {
+            "benchmark": "serve_bench", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "server_flags": serve_args, "url": args.url, "model": model,
+            "max_model_len": models[0].get("max_model_len"), "endpoint": "/v1/chat/completions (stream)",
+            "workload": {"arrivals": "poisson", "duration_s_per_rate": args.duration,
+                         "max_tokens_uniform": [args.min_tokens, args.max_tokens], "temperature": 0,
+                         "prompts": "one-sentence instructions (TASKS x TOPICS in the script)", "seed": args.seed},
+            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+            "goodput_definition": "requests meeting both SLOs / seconds from first send to last completion",
+            "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            # Other work on a shared machine skews CPU figures; the 1-minute load says how much.
+            "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            "results": [asdict(p) for p in points],
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The FastAPI app of `kvserve serve`: routes, API-key auth, lifespan, and `run_server(args)`.
+
+Request bodies are read here, not by FastAPI, so every failure has its own message: an oversized
+body is refused from its Content-Length before a byte is read (413), then come invalid UTF-8,
+malformed JSON, a non-object body, and schema errors (400, naming the field). The OpenAPI document
+still describes every body (the schemas are added to it by `_openapi`), so schema-driven clients
+and fuzzers see the real API.
+
+/health and /metrics need no API key (probes and Prometheus scrape them); /v1/* do when keys are
+configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import re
+import os
+from contextlib import asynccontextmanager
+from typing import Any, Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+import kvserve
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.server.config import ServerConfig, server_config_from_args
+from kvserve.server.errors import APIError, format_validation_errors, install_error_handlers
+from kvserve.server.protocol import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest)
+from kvserve.server.serving import OpenAIServing, SSEStream
+
+logger = logging.getLogger("kvserve.server")
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that abort their engine requests however the response ends: a client gone
+    before the first chunk never starts the chunk generator, so its own cleanup would not run."""
+
+    def __init__(self, result: SSEStream) -> None:
+        super().__init__(result.chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._engine_stream = result.engine_stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._engine_stream.finished:
+                self._engine_stream.abort()
+
+
+def default_model_name(model_option: Optional[str], source_path: str) -> str:
+    """The name clients send: --model as given for hub-style names, else the file/folder name
+    (without .gguf and a quantization tag such as .Q4_1)."""
+    if model_option and not os.path.exists(model_option):
+        return model_option
+    name = os.path.basename(os.path.normpath(model_option or source_path))
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"[.-](q\d\w*|f16|f32|bf16|iq\d\w*)$", "", name, flags=re.IGNORECASE) or name
+
+
+def _body_schema_ref(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+async def read_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise APIError(400, "Content-Length is not an integer") from None
+        if declared > max_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes} bytes",
+                           code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes", code="request_too_large")
+    if not body:
+        raise APIError(400, "request body is empty: send a JSON object", code="invalid_json")
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid UTF-8 (bad byte at offset {exc.start})",
+                       code="invalid_encoding") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                       code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:   # e.g. integers longer than Python's digit limit
+        raise APIError(400, f"malformed JSON: {type(exc).__name__}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "request body contains an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)",
+                       code="invalid_encoding") from None
+    except (ValueError, RecursionError):
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise format_validation_errors(exc.errors(include_url=False)) from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
+
+
+def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
+              model_names: Optional[list[str]] = None) -> FastAPI:
+    """The app around an (unstarted) AsyncEngine; its lifespan starts and stops the engine thread."""
+    config = config or ServerConfig()
+    config.validate()
+    engine = async_engine.engine
+    if model_names is None:
+        model_names = [config.served_model_name or default_model_name(engine.config.model_config.model,
+                                                                      engine.source.path)]
+    api_keys = config.load_api_keys()
+    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0])
+    async_engine.on_request_finished = metrics.observe_finished
+    serving = OpenAIServing(async_engine, config, model_names)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        logger.info("serving %s (max_model_len %d) with %d API keys", model_names[0], serving.max_model_len,
+                    len(api_keys))
+        try:
+            yield
+        finally:
+            # uvicorn has already waited (shutdown_timeout) for open responses; anything left gets an error.
+            await async_engine.shutdown(drain_timeout=min(5.0, config.shutdown_timeout))
+            serving.close()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API of the kvserve inference engine.")
+    app.state.async_engine = async_engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.config = config
+    install_error_handlers(app, on_error=metrics.count_error)
+
+    async def authenticate(request: Request) -> Optional[str]:
+        """Returns the tenant of the API key (None without keys or for --api-key)."""
+        if not api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        if not token:
+            raise APIError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+        matched = None
+        for key in api_keys:   # compare against every key so timing does not reveal which one matched
+            if hmac.compare_digest(key.encode(), token.encode()):
+                matched = key
+        if matched is None:
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+        return api_keys[matched]
+
+    @app.get("/health", summary="200 while the engine thread runs")
+    async def health() -> JSONResponse:
+        if async_engine.is_running:
+            return JSONResponse({"status": "ok"})
+        raise APIError(503, "the engine is not running", code="engine_not_running")
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics", summary="Prometheus metrics (text format)")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models(_tenant: Optional[str] = Depends(authenticate)) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": serving.created, "owned_by": "kvserve",
+             "root": model_names[0], "max_model_len": serving.max_model_len} for name in model_names]}
+
+    def _respond(result: Any) -> Any:
+        if isinstance(result, SSEStream):
+            return _SSEResponse(result)
+        return JSONResponse(result)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema_ref(CompletionRequest))
+    async def completions(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
+        body = await read_body(request, CompletionRequest, config.max_request_bytes)
+        return _respond(await serving.create_completion(body, request, tenant))
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema_ref(ChatCompletionRequest))
+    async def chat_completions(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
+        body = await read_body(request, ChatCompletionRequest, config.max_request_bytes)
+        return _respond(await serving.create_chat_completion(body, request, tenant))
+
+    @app.post("/v1/tokenize", openapi_extra=_body_schema_ref(TokenizeRequest))
+    async def tokenize(request: Request, _tenant: Optional[str] = Depends(authenticate)) -> Any:
+        return await serving.tokenize(await read_body(request, TokenizeRequest, config.max_request_bytes))
+
+    @app.post("/v1/detokenize", openapi_extra=_body_schema_ref(DetokenizeRequest))
+    async def detokenize(request: Request, _tenant: Optional[str] = Depends(authenticate)) -> Any:
+        return await serving.detokenize(await read_body(request, DetokenizeRequest, config.max_request_bytes))
+
+    # vLLM serves these at the root too; same handlers, kept out of the schema to avoid duplicates.
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], include_in_schema=False)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in REQUEST_MODELS:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`kvserve serve`: builds the engine (failing fast on a bad model), then serves until signalled."""
+    import uvicorn
+
+    from kvserve.config import engine_options_from_args
+    from kvserve.engine.engine import Engine
+
+    config = server_config_from_args(args)
+    config.load_api_keys()   # a bad keys file is an error before the model loads
+    engine = Engine.from_options(**engine_options_from_args(args))
+    app = build_app(AsyncEngine(engine), config)
+    log_level = getattr(args, "log_level", "warning")
+    print(f"kvserve: serving {app.state.serving.model_name} on http://{config.host}:{config.port} "
+          f"(KV cache {engine.kv_manager.capacity_tokens} tokens, max_model_len {engine.max_model_len})",
+          flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, access_log=config.access_log,
+                timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=30)
+    return 0
