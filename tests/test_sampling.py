@@ -414,3 +414,11 @@ def test_compute_prompt_logprobs_rejects_bad_shapes() -> None:
 def test_sampler_rejects_row_count_mismatch() -> None:
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 4), [row()], set())
+
+
+def test_seed_out_of_generator_range_is_rejected():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-1)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63, n=1)
+    assert SamplingParams(seed=2**63 - 3, n=2).seed == 2**63 - 3
