@@ -1,0 +1,70 @@
+"""Triton attention backend: the GPU fast path behind TorchAttentionBackend's interface.
+
+Per layer and step: one store_kv launch for the step's new K/V, one split-KV paged decode launch
+(plus its combine kernel) for all decode tokens, and one varlen paged prefill launch for all prefill
+chunks. The decode path reads block tables and context lengths from the device only, so a decode
+step is CUDA-graph capturable as long as the block table's width (or `max_decode_context_len`)
+stays fixed across replays.
+
+Plain prefills (no cached prefix) go through the same Triton kernel by default: their K/V are in
+the cache once store_kv has run, and one launch for every chunk of a step beats a Python loop of
+SDPA calls when a step holds many short prompts. `plain_prefill="sdpa"` sends them to SDPA
+(flash) one chunk at a time instead, for long prompts where flash's tuned kernel may win;
+benchmarks/attention_bench.py measures both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kernels import reference
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, plain_prefill: str = "triton", max_decode_context_len: int | None = None) -> None:
+        if plain_prefill not in ("triton", "sdpa"):
+            raise ValueError(f"plain_prefill must be 'triton' or 'sdpa', got {plain_prefill!r}")
+        # Imported here: the core engine imports without triton.
+        from kvserve.kernels import triton as kernels
+        self._kernels = kernels
+        self.plain_prefill = plain_prefill
+        self.max_decode_context_len = max_decode_context_len
+        # Every layer of a step sees the same metadata: its prefill plan is built once.
+        self._planned_meta: AttentionMetadata | None = None
+        self._plan = None
+        self._sdpa_chunks: list = []
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]."""
+        kernels = self._kernels
+        kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        output = torch.empty_like(query)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            kernels.paged_decode_attention(
+                query[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                scale, out=output[:num_decodes], max_context_len=self.max_decode_context_len)
+        if meta.prefills:
+            plan, sdpa_chunks = self._prefill_plan(meta)
+            if plan.num_chunks:
+                kernels.paged_prefill_attention(query, k_cache, v_cache, plan, scale, out=output)
+            for chunk in sdpa_chunks:
+                span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+                output[span] = reference.prefill_attention(query[span], key[span], value[span], scale)
+        return output
+
+    def _prefill_plan(self, meta: AttentionMetadata):
+        if self._planned_meta is not meta:
+            if self.plain_prefill == "sdpa":
+                triton_chunks = [chunk for chunk in meta.prefills if chunk.context_slots is not None]
+                self._sdpa_chunks = [chunk for chunk in meta.prefills if chunk.context_slots is None]
+            else:
+                triton_chunks, self._sdpa_chunks = meta.prefills, []
+            self._plan = self._kernels.plan_prefill(triton_chunks, meta.slot_mapping)
+            self._planned_meta = meta
+        return self._plan, self._sdpa_chunks

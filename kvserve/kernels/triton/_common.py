@@ -1,0 +1,44 @@
+"""Helpers shared by the kernel launchers: interpreter detection, device facts, small integer maths."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; a small stand-in on CPU (interpreter) so the split
+    heuristics still produce several splits there."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def next_power_of_2(value: int) -> int:
+    return 1 << max(0, (int(value) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_cache(cache: torch.Tensor, name: str) -> None:
+    """The kernels address a token as `slot * stride(1)`, which needs [num_blocks, block_size] to
+    merge into one dimension, and read head_dim contiguously."""
+    if cache.dim() != 4:
+        raise ValueError(f"{name} must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(cache.shape)}")
+    if cache.stride(3) != 1 or cache.stride(0) != cache.shape[1] * cache.stride(1):
+        raise ValueError(f"{name} needs unit head_dim stride and mergeable block/offset dims, "
+                         f"got strides {cache.stride()}")
