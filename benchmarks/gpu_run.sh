@@ -7,11 +7,11 @@ what=" ${*:-tests bench attn} "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' | tee -a "$OUT/gpu.txt"
 if [[ $what == *" tests "* ]]; then
-  timeout 360 python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_EXTRA:-} 2>&1 | tail -60 > "$OUT/gpu_tests.log"
+  timeout 360 python3 -m pytest -q -rfE -p no:cacheprovider tests ${PYTEST_EXTRA:-} 2>&1 | tail -80 > "$OUT/gpu_tests.log"
   tail -25 "$OUT/gpu_tests.log"
 fi
 if [[ $what == *" attn "* ]]; then
-  timeout 200 python3 benchmarks/attention_bench.py --json "$OUT/gpu_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"
+  timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/gpu_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"
   tail -30 "$OUT/gpu_attn.log"
 fi
 if [[ $what == *" bench "* ]]; then

@@ -18,7 +18,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
+from conftest import requires_default_model
+
+# Both need the default model's GGUF (its tokenizer and chat template at least).
+pytestmark = [pytest.mark.slow, requires_default_model]
 
 API_KEY = "sk-test-key"
 TENANT_KEY = "sk-tenant-a"

@@ -19,7 +19,10 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
+from conftest import requires_default_model
+
+# Both need the default model's GGUF (its tokenizer and chat template at least).
+pytestmark = [pytest.mark.slow, requires_default_model]
 
 FUZZ_EXAMPLES = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "40"))
 FUZZ_SECONDS = float(os.environ.get("KVSERVE_FUZZ_SECONDS", "45"))

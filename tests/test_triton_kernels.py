@@ -265,6 +265,27 @@ def test_paged_decode_padding_rows_are_zero():
         assert_attention_close(out, expected, torch.float32)
 
 
+def test_choose_num_splits_fills_whole_waves(monkeypatch):
+    """Host heuristic: on an H200-like GPU (132 SMs, 5 programs resident per SM = 660 slots) the
+    split count fills whole waves and is bounded by the context."""
+    from kvserve.kernels.triton import decode_attention
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
+    config = decode_attention.DecodeConfig(tile=64, min_split_tokens=128)
+
+    def splits(batch, context_len):
+        return decode_attention.choose_num_splits(batch, 4, context_len, torch.device("cpu"), config, 5)
+    assert splits(64, 131072) == 5            # 1280 programs: 1.94 waves (3 splits gave 1.16)
+    assert splits(32, 131072) == 5            # 640 programs: 0.97 of a wave
+    assert splits(1, 131072) == 147           # 588 programs
+    assert splits(1, 4096) == 32              # underfilled: as many 128-token splits as the context has
+    assert splits(8, 100) == 1                # one split covers the whole context
+    assert splits(1024, 4096) == 1            # many waves already
+    for batch, context_len in ((3, 1000), (17, 40000), (64, 129)):
+        num_splits = splits(batch, context_len)
+        assert 1 <= num_splits <= decode_attention.MAX_SPLITS
+        assert decode_attention.active_splits(context_len, num_splits, config) <= num_splits
+
+
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_decode_step_in_cuda_graph():
     """store_kv + decode captured once, replayed with new block tables, lengths and K/V in place."""

@@ -19,6 +19,7 @@ _EXPORTS = {
     "paged_decode_attention": "decode_attention",
     "choose_num_splits": "decode_attention",
     "decode_workspace": "decode_attention",
+    "decode_num_splits": "decode_attention",
     "DecodeConfig": "decode_attention",
     "paged_prefill_attention": "prefill_attention",
     "plan_prefill": "prefill_attention",

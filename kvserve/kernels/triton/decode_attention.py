@@ -18,6 +18,8 @@ Design (flash-decoding, GQA-aware):
   partial output and its log-sum-exp; a second kernel combines the active splits. With one split
   the first kernel writes the output directly and the second is not launched (a runtime flag, so
   the same compiled kernel serves both).
+- The split count fills the GPU in whole waves (see choose_num_splits), using the occupancy of the
+  compiled kernel once it has run.
 - CUDA-graph safe: the grid is (batch, kv_heads, num_splits), where num_splits comes from host
   values fixed for a captured graph (batch, kv heads, an upper bound of the context length: by
   default the block table's width). Context lengths and block tables are read on the device only;
@@ -27,6 +29,8 @@ Design (flash-decoding, GQA-aware):
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +40,14 @@ import triton.language as tl
 from kvserve.kernels.triton._common import cdiv, interpreting, next_power_of_2, num_sms
 
 LOG2_E = 1.4426950408889634
-# Enough programs per SM to hide HBM latency and to smooth wave quantisation when contexts are
-# ragged; partial results cost batch*heads*splits*(head_dim+1)*4 bytes, small next to the KV read.
-PROGRAMS_PER_SM = 4
 MAX_SPLITS = 256
+# Programs of the split kernel resident per SM before the first launch has told us (then the
+# compiled kernel's registers and shared memory give the real figure): ~5 on an H100/H200 for the
+# bf16 head_dim-128 default (96 registers x 128 threads, 39 KB of shared memory).
+DEFAULT_RESIDENT_PER_SM = 4
+# A split count is good enough when its wave efficiency is within this factor of the best one; the
+# smallest such count wins (fewer partial results to write and combine).
+WAVE_EFFICIENCY_SLACK = 0.9
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     use_dot: bool = True          # False: broadcast-multiply-sum (for tiny groups and tiles)
-    min_split_tokens: int = 256   # a split never covers fewer positions (unless the context is shorter)
+    min_split_tokens: int = 128   # a split never covers fewer positions (unless the context is shorter)
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
@@ -63,17 +71,68 @@ def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(tile=64, num_warps=4, num_stages=2)
 
 
+def active_splits(context_len: int, num_splits: int, config: DecodeConfig) -> int:
+    """Splits that hold positions for a context of `context_len` (host twin of _split_length)."""
+    if context_len <= 0:
+        return 0
+    split_len = cdiv(max(cdiv(context_len, num_splits), config.min_split_tokens), config.tile) * config.tile
+    return cdiv(context_len, split_len)
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      min_split_tokens: int | None = None) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU (PROGRAMS_PER_SM per SM),
-    but no split shorter than `min_split_tokens` at `max_context_len`. Depends only on host values
-    that a CUDA graph fixes at capture."""
-    if min_split_tokens is None:
-        min_split_tokens = DecodeConfig().min_split_tokens
-    programs = max(1, batch * num_kv_heads)
-    by_parallelism = cdiv(PROGRAMS_PER_SM * num_sms(device), programs)
-    by_context = cdiv(max(1, max_context_len), min_split_tokens)
-    return max(1, min(by_parallelism, by_context, MAX_SPLITS))
+                      config: DecodeConfig | None = None, resident_per_sm: int | None = None) -> int:
+    """Splits per (sequence, KV head), from host values that a CUDA graph fixes at capture.
+
+    The split kernel's programs all do about the same work, so time goes in waves of
+    `resident_per_sm * SMs` programs: a last wave that is mostly empty wastes bandwidth (64
+    sequences x 4 KV heads x 3 splits = 768 programs on 660 slots ran at 78% of the copy bandwidth on
+    an H200, 32 x 4 x 5 = 640 at 102%). Among split counts whose splits are at least
+    min_split_tokens long at `max_context_len`, take the smallest whose wave efficiency
+    (waves / ceil(waves)) is within WAVE_EFFICIENCY_SLACK of the best; below one wave, efficiency
+    grows with the split count, so an underfilled GPU gets as many splits as the context allows.
+    """
+    config = config or DecodeConfig()
+    slots = (resident_per_sm or DEFAULT_RESIDENT_PER_SM) * num_sms(device)
+    return _choose_num_splits(max(1, batch * num_kv_heads), max(1, max_context_len), slots, config)
+
+
+@functools.lru_cache(maxsize=4096)         # called per layer and step with the same arguments
+def _choose_num_splits(programs: int, max_context_len: int, slots: int, config: DecodeConfig) -> int:
+    if programs >= 4 * slots:             # many waves already: quantisation is small
+        return 1
+    candidates = []                        # (num_splits, wave efficiency)
+    previous_active = 0
+    for num_splits in range(1, MAX_SPLITS + 1):
+        active = active_splits(max_context_len, num_splits, config)
+        if active == previous_active:
+            continue                       # same launch shape as a smaller count
+        previous_active = active
+        waves = programs * active / slots
+        candidates.append((num_splits, waves / math.ceil(waves)))
+        if active < num_splits:            # the context cannot be cut finer
+            break
+    best = max(efficiency for _, efficiency in candidates)
+    return next(num_splits for num_splits, efficiency in candidates if efficiency >= WAVE_EFFICIENCY_SLACK * best)
+
+
+_resident_per_sm: dict[tuple, int] = {}
+
+
+def _resident_programs(compiled, device: torch.device) -> int | None:
+    """Programs of a compiled kernel one SM holds at once (registers, shared memory, threads)."""
+    try:
+        num_regs, shared, warps = compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps
+        props = torch.cuda.get_device_properties(device)
+    except Exception:                      # interpreter, or a Triton without these fields
+        return None
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    regs_per_warp = cdiv(max(1, num_regs) * 32, 256) * 256          # allocated per warp in units of 256
+    by_regs = regs_per_sm // (regs_per_warp * warps)
+    by_shared = shared_per_sm // (shared + 1024) if shared else 32   # 1 KB reserved per block
+    by_threads = threads_per_sm // (32 * warps)
+    return max(1, min(by_regs, by_shared, by_threads, 32))
 
 
 def decode_workspace(batch: int, num_heads: int, head_dim: int, num_splits: int,
@@ -265,16 +324,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             raise ValueError("tl.dot needs a tile of at least 16 positions")
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
+    occupancy_key = _occupancy_key(query, k_cache, block_tables, config)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device,
-                                       config.min_split_tokens)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device, config,
+                                       _resident_per_sm.get(occupancy_key))
     interpret = interpreting()
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
     meta = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=max(16, next_power_of_2(head_dim)),
                 TILE=config.tile, MIN_SPLIT_TOKENS=config.min_split_tokens)
     scale_log2 = float(scale) * LOG2_E
     if num_splits == 1:
-        _decode_split_kernel[(batch, num_kv_heads, 1)](
+        compiled = _decode_split_kernel[(batch, num_kv_heads, 1)](
             query, k_cache, v_cache, block_tables, context_lens, out, out, out,
             scale_log2, 1, block_size, 1,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
@@ -282,6 +342,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             0, 0, 0, 0, 0,
             USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=dot_precision,
             num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+        _note_occupancy(occupancy_key, compiled, query.device)
         return out
     if workspace is None:
         workspace = decode_workspace(batch, num_heads, head_dim, num_splits, query.device)
@@ -291,7 +352,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             or partial_out.dtype != torch.float32 or partial_lse.dtype != torch.float32
             or tuple(partial_lse.shape[:2]) != tuple(partial_out.shape[:2]) or partial_lse.shape[2] < num_splits):
         raise ValueError("workspace does not fit this launch (see decode_workspace)")
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    compiled = _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         scale_log2, num_splits, block_size, 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
@@ -300,12 +361,44 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_lse.stride(0), partial_lse.stride(1),
         USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=dot_precision,
         num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+    _note_occupancy(occupancy_key, compiled, query.device)
     _decode_combine_kernel[(batch, num_heads)](
         partial_out, partial_lse, context_lens, out, num_splits,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=meta["DIM_PAD"], TILE=config.tile,
-        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=16,
-        num_warps=4 if head_dim >= 128 else 2)
+        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=64 if head_dim <= 128 else 32,
+        num_warps=4)
     return out
+
+
+def decode_num_splits(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                      max_context_len: int | None = None, config: DecodeConfig | None = None) -> int:
+    """The split count paged_decode_attention picks for these arguments (to size a workspace ahead
+    of a CUDA-graph capture, say). Uses the kernel's measured occupancy once it has run."""
+    config = config or default_decode_config(query.shape[2], query.dtype)
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * k_cache.shape[1]
+    return choose_num_splits(query.shape[0], k_cache.shape[2], max_context_len, query.device, config,
+                             _resident_per_sm.get(_occupancy_key(query, k_cache, block_tables, config)))
+
+
+def measured_occupancy() -> dict[str, int]:
+    """Programs per SM of each split-kernel variant launched so far (for benchmark reports)."""
+    return {f"{dtype}/{cache_dtype}/group{group}/d{head_dim}/{config}": resident
+            for (_, dtype, cache_dtype, _, group, head_dim, config), resident in _resident_per_sm.items()}
+
+
+def _occupancy_key(query: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                   config: DecodeConfig) -> tuple:
+    num_heads, head_dim = query.shape[1:]
+    return (query.device, query.dtype, k_cache.dtype, block_tables.dtype, num_heads // k_cache.shape[2],
+            head_dim, config)
+
+
+def _note_occupancy(key: tuple, compiled, device: torch.device) -> None:
+    if key not in _resident_per_sm:
+        resident = _resident_programs(compiled, device)
+        if resident is not None:
+            _resident_per_sm[key] = resident
