@@ -40,7 +40,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     kv_cache_memory: Optional[int] = _opt(None, "bytes of KV cache (default: 1 GiB on CPU, "
-                                                "gpu_memory_utilization of free memory on CUDA)")
+                                                "gpu_memory_utilization of free memory on CUDA)", bytes=True)
     gpu_memory_utilization: float = _opt(0.9, "fraction of free GPU memory the engine may use (weights excluded)")
 
 
@@ -107,25 +107,31 @@ def _parse_bytes(text: str) -> int:
     return int(float(lowered))
 
 
+def add_dataclass_args(parser, config_type: type) -> None:
+    """Adds one `--flag-name` per field of a config dataclass (fields carry `help`, optionally
+    `choices` and `bytes=True` for sizes given as '2GiB')."""
+    for f in dataclasses.fields(config_type):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=meta["help"])
+            continue
+        kind: Any = str
+        if meta.get("bytes"):
+            kind = _parse_bytes
+        elif "int" in str(f.type):
+            kind = int
+        elif "float" in str(f.type):
+            kind = float
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                            choices=meta.get("choices"), help=meta["help"])
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Adds one `--flag-name` per config field."""
+    """Adds one `--flag-name` per engine config field."""
     for part in EngineConfig._PARTS:
-        for f in dataclasses.fields(_part_type(part)):
-            flag = "--" + f.name.replace("_", "-")
-            meta = f.metadata
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                    default=f.default, help=meta["help"])
-                continue
-            kind: Any = str
-            if f.name == "kv_cache_memory":
-                kind = _parse_bytes
-            elif "int" in str(f.type):
-                kind = int
-            elif "float" in str(f.type):
-                kind = float
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                                choices=meta.get("choices"), help=meta["help"])
+        add_dataclass_args(parser, _part_type(part))
 
 
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

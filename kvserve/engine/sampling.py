@@ -130,7 +130,7 @@ class SamplingParams:
             _fail("n", self.n, "must be at least 1")
         # Sample i of n uses seed + i; torch generators take seeds in [0, 2**63) here.
         if self.seed is not None and not 0 <= self.seed <= 2**63 - 1 - self.n:
-            _fail("seed", self.seed, f"must be in [0, 2**63 - 1 - n]")
+            _fail("seed", self.seed, "must be in [0, 2**63 - 1 - n]")
         if self.temperature < 0:
             _fail("temperature", self.temperature, "must be non-negative")
         if not 0 < self.top_p <= 1:

@@ -10,14 +10,10 @@ import argparse
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-from kvserve.config import _parse_bytes
-
-
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+from kvserve.config import _opt, add_dataclass_args
 
 
 @dataclass
@@ -31,7 +27,7 @@ class ServerConfig:
     api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name; any listed key "
                                               "is accepted and sets the request's tenant")
     max_request_bytes: int = _opt(4 << 20, "largest request body accepted (e.g. 4MiB); larger ones get 413 "
-                                           "before anything is parsed")
+                                           "before anything is parsed", bytes=True)
     max_n: int = _opt(16, "largest n (samples per prompt) a request may ask for")
     max_prompts_per_request: int = _opt(256, "most prompts one /v1/completions request may carry")
     max_logprobs: int = _opt(20, "largest logprobs / top_logprobs a request may ask for")
@@ -72,22 +68,7 @@ class ServerConfig:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Adds one `--flag-name` per ServerConfig field."""
-    group = parser.add_argument_group("server")
-    for f in dataclasses.fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"]
-        if f.type in ("bool", bool):
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=help_text)
-            continue
-        kind: Any = str
-        if f.name == "max_request_bytes":
-            kind = _parse_bytes
-        elif "int" in str(f.type):
-            kind = int
-        elif "float" in str(f.type):
-            kind = float
-        group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
+    add_dataclass_args(parser.add_argument_group("server"), ServerConfig)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
