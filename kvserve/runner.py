@@ -66,7 +66,7 @@ class ModelRunner:
         for item in ordered:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
-            token_ids.extend(request.all_token_ids[start:end])
+            token_ids.extend(request.token_ids_between(start, end))
             positions.append(np.arange(start, end))
             slots.append(self._slots(block_tables[request.request_id], start, end))
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)),
@@ -82,7 +82,8 @@ class ModelRunner:
             pos = np.arange(max_blocks * self.block_size)
             meta.decode_block_tables = self._to_device(tables)
             meta.decode_context_lens = self._to_device(context_lens.astype(np.int32))
-            meta.decode_context_mask = self._to_device(pos[None, :] < context_lens[:, None])
+            if self.backend.name == "torch":   # only the reference reads the mask; kernels use lengths
+                meta.decode_context_mask = self._to_device(pos[None, :] < context_lens[:, None])
         offset = len(decodes)
         for item in prefills:
             start = item.request.num_computed_tokens
@@ -236,7 +237,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= count)
         block_size = self.runner.block_size
         positions = np.fromiter((item.request.num_computed_tokens for item in items), dtype=np.int64, count=count)
-        token_ids = np.fromiter((item.request.all_token_ids[-1] for item in items), dtype=np.int64, count=count)
+        token_ids = np.fromiter((item.request.last_token_id for item in items), dtype=np.int64, count=count)
         tables = [block_tables[item.request.request_id] for item in items]
         width = max(len(t) for t in tables)
         table_array = np.zeros((size, width), dtype=np.int32)

@@ -114,3 +114,14 @@ def test_graph_batch_ladder_covers_every_batch_size():
     for batch in range(1, 101):
         padded = next(s for s in sizes if s >= batch)
         assert padded - batch < 16
+
+
+def test_token_slices_match_the_concatenated_sequence():
+    from kvserve.engine.request import Request
+    request = Request("r", [1, 2, 3, 4], SamplingParams(), max_tokens=8)
+    request.output_token_ids.extend([7, 8, 9])
+    whole = request.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert request.token_ids_between(start, end) == whole[start:end]
+    assert request.last_token_id == 9
