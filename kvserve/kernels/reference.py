@@ -44,19 +44,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     query [B, heads, D]; block_tables [B, max_blocks] (int64, padding any valid block);
     context_mask [B, max_blocks * block_size] bool, True where a position holds context.
-    Returns [B, heads, D]. The query heads of a GQA group are stacked as rows against their one
-    KV head, so K/V are read once per KV head and never expanded (SDPA with a mask and GQA falls
-    back to expanding them: 7x the bytes for a 28/4-head model).
+    Returns [B, heads, D]. The query heads of a GQA group are folded into SDPA's query-length axis
+    against their one KV head, so K/V are read once per KV head and never expanded (SDPA's own GQA
+    path with a mask expands them: 7x the bytes for a 28/4-head model). The gathered cache is
+    passed as a strided [B, kv_heads, L, D] view, not copied again; on CPU this is 2-3x faster than
+    two batched matmuls over permuted copies.
     """
     batch, num_heads, head_dim = query.shape
-    keys = gather_blocks(k_cache, block_tables).permute(0, 2, 3, 1).to(query.dtype)   # [B, kvh, D, L]
-    values = gather_blocks(v_cache, block_tables).transpose(1, 2).to(query.dtype)     # [B, kvh, L, D]
+    keys = gather_blocks(k_cache, block_tables).transpose(1, 2).to(query.dtype)     # [B, kvh, L, D]
+    values = gather_blocks(v_cache, block_tables).transpose(1, 2).to(query.dtype)
     num_kv_heads = keys.shape[1]
     grouped = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys).float() * scale                               # [B, kvh, G, L]
-    scores.masked_fill_(~context_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=context_mask[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.model.cpu_linear import can_pack, pack_linears
 from kvserve.model.llama import MODEL_CLASSES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -55,7 +56,10 @@ def build_model(source, dtype: torch.dtype, device: torch.device, load_format: s
     # Rotary frequencies stay fp32 whatever the model dtype, as in transformers; scaled variants
     # are computed on the host, so move them too.
     model.rotary.inv_freq = model.rotary.inv_freq.to(device=device, dtype=torch.float32)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if can_pack(dtype, device):
+        pack_linears(model)
+    return model
 
 
 def _init_random(model: torch.nn.Module, seed: int) -> None:

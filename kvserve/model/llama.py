@@ -73,7 +73,10 @@ class LlamaForCausalLM(nn.Module):
         first_attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(cfg, first_attn.head_dim)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            # One parameter under two names; named_parameters() lists it once, as embed_tokens.
+            self.lm_head.weight = self.embed_tokens.weight
 
     # --- what the runner and KV cache need to know -------------------------------------------
     @property
@@ -96,8 +99,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     # --- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
