@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT.
-# Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [tests] [bench] [attn] [bench8b]
+# Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [tests] [gputests] [bench] [attn] [bench8b]
+#   [offline] [profile]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -9,6 +10,20 @@ python3 -c 'import torch, transformers, triton; print(torch.__version__, transfo
 if [[ $what == *" tests "* ]]; then
   timeout 360 python3 -m pytest -q -rfE -p no:cacheprovider tests ${PYTEST_EXTRA:-} 2>&1 | tail -80 > "$OUT/gpu_tests.log"
   tail -25 "$OUT/gpu_tests.log"
+fi
+if [[ $what == *" gputests "* ]]; then   # the CUDA-only kernel tests and the model/engine tests on CUDA
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_model_ops.py \
+    tests/test_model_vs_transformers.py tests/test_engine.py ${PYTEST_EXTRA:-} 2>&1 | tail -60 > "$OUT/gpu_tests.log"
+  tail -25 "$OUT/gpu_tests.log"
+fi
+if [[ $what == *" profile "* ]]; then
+  timeout 200 python3 benchmarks/profile_step.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --batch-size 1 --kv-cache-memory 8GiB 2>&1 | head -90 > "$OUT/gpu_profile_b1.log"
+  head -40 "$OUT/gpu_profile_b1.log"
+fi
+if [[ $what == *" offline "* ]]; then
+  timeout 400 python3 benchmarks/offline_throughput.py --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
+    --dtype bfloat16 --max-num-batched-tokens 8192 --json "$OUT/gpu_h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
 fi
 if [[ $what == *" attn "* ]]; then
   timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/gpu_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"

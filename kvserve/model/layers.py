@@ -6,9 +6,43 @@ the model dtype) so that greedy outputs match its forward pass token for token.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ops():
+    """(fused_ops, rotary) Triton modules, or None where triton is not installed (CPU-only)."""
+    try:
+        from kvserve.kernels.triton import fused_ops, rotary
+    except ImportError:
+        return None
+    return fused_ops, rotary
+
+
+_fused_enabled = True
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """On CUDA the norms, rotary and SiLU*mul run as single Triton kernels: at decode batch sizes the
+    ~20 small torch kernels per layer they replace cost more GPU time than the layer's attention."""
+    return _fused_enabled and x.is_cuda and _triton_ops() is not None
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """Turns the Triton fused ops on or off inside the block (tests compare both paths)."""
+    global _fused_enabled
+    previous, _fused_enabled = _fused_enabled, enabled
+    try:
+        yield
+    finally:
+        _fused_enabled = previous
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +51,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual stream (norm(x + residual), x + residual); the sum is
+        rounded to the model dtype first, as transformers' `hidden = residual + hidden` does."""
+        if use_fused_kernels(x):
+            return _triton_ops()[0].rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,6 +113,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def rotate_queries_and_keys(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused QKV output [T, (heads + 2 kv_heads) * D] -> rotated q [T, heads, D], k, and v [T, kv_heads, D]."""
+    num_tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if use_fused_kernels(qkv):
+        # q and k are adjacent columns of the GEMM output: rotate both in place with one kernel.
+        _triton_ops()[1].rotary_inplace(qkv[:, :q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim),
+                                        cos, sin)
+        q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
+    else:
+        q, k, _ = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q = apply_rotary(q.view(num_tokens, num_heads, head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
+    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    return q, k, v
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one GEMM."""
 
@@ -79,5 +142,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused_kernels(gate_up):
+            return self.down_proj(_triton_ops()[0].silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from kvserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, rotate_queries_and_keys
 
 
 class LlamaAttention(nn.Module):
@@ -31,10 +31,8 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = rotate_queries_and_keys(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads,
+                                          self.head_dim, cos, sin)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -47,10 +45,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False))
 
-    def forward(self, hidden, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        # Residual adds stay in the model dtype, as in transformers, so rounding matches.
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sublayer output, residual stream) in and out: each residual add is fused into the next
+        norm (one kernel on CUDA). Adds stay in the model dtype, as in transformers."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -94,9 +98,10 @@ class LlamaForCausalLM(nn.Module):
                 backend) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, backend)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
