@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT.
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [tests] [gputests] [bench] [attn] [bench8b]
-#   [offline] [profile]
+#   [offline] [profile] [serve]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -17,13 +17,21 @@ if [[ $what == *" gputests "* ]]; then   # the CUDA-only kernel tests and the mo
   tail -25 "$OUT/gpu_tests.log"
 fi
 if [[ $what == *" profile "* ]]; then
-  timeout 200 python3 benchmarks/profile_step.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
-    --dtype bfloat16 --batch-size 1 --kv-cache-memory 8GiB 2>&1 | head -90 > "$OUT/gpu_profile_b1.log"
-  head -40 "$OUT/gpu_profile_b1.log"
+  for batch in ${PROFILE_BATCHES:-1}; do
+    timeout 200 python3 benchmarks/profile_step.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+      --dtype bfloat16 --batch-size "$batch" --kv-cache-memory 30GiB 2>&1 | head -90 > "$OUT/gpu_profile_b$batch.log"
+    head -3 "$OUT/gpu_profile_b$batch.log"
+  done
 fi
 if [[ $what == *" offline "* ]]; then
   timeout 400 python3 benchmarks/offline_throughput.py --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
     --dtype bfloat16 --max-num-batched-tokens 8192 --json "$OUT/gpu_h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
+fi
+if [[ $what == *" serve "* ]]; then
+  timeout 400 python3 benchmarks/serve_bench.py --rates 4,16,64 --duration 20 --prompt-tokens 512 \
+    --min-tokens 64 --max-tokens 128 --json "$OUT/serve_h200_r1_qwen7b.json" -- \
+    --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 40GiB \
+    2>&1 | tail -8 | tee "$OUT/gpu_serve.log"
 fi
 if [[ $what == *" attn "* ]]; then
   timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/gpu_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"
@@ -31,7 +39,7 @@ if [[ $what == *" attn "* ]]; then
 fi
 if [[ $what == *" bench "* ]]; then
   timeout 400 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
-    --dtype bfloat16 --batch-sizes 1,32,128 --input-len 512 --output-len 256 --kv-cache-memory 16GiB \
+    --dtype bfloat16 --batch-sizes 1,8,32,128,256 --input-len 512 --output-len 256 --kv-cache-memory 40GiB \
     --baseline transformers --json "$OUT/gpu_bench_r1_qwen7b.json" 2>&1 | tail -12 | tee "$OUT/gpu_bench.log"
 fi
 if [[ $what == *" bench8b "* ]]; then

@@ -57,7 +57,8 @@ def run_throughput(engine: Engine, args) -> dict:
     started = time.perf_counter()
     for prompt_len, output_len in zip(prompt_lens, output_lens):
         engine.add_request(None, {"prompt_token_ids": rng.integers(0, vocab, int(prompt_len)).tolist()},
-                           SamplingParams(max_tokens=int(output_len), temperature=0.0, ignore_eos=True))
+                           SamplingParams(max_tokens=int(output_len), temperature=0.0, ignore_eos=True,
+                                          output_kind="final_only"))
     steps = generated = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -79,7 +80,8 @@ def run_throughput(engine: Engine, args) -> dict:
 def run_overhead(engine: Engine, args) -> dict:
     rng = np.random.default_rng(args.seed + 2)
     vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=args.overhead_steps * 3 + 16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.overhead_steps * 3 + 16, temperature=0.0, ignore_eos=True,
+                            output_kind="final_only")
     for _ in range(args.overhead_batch):
         engine.add_request(None, {"prompt_token_ids": rng.integers(0, vocab, args.overhead_prompt).tolist()}, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens

@@ -102,26 +102,37 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 
 
 def make_requests(rate: float, duration: float, min_tokens: int, max_tokens: int,
-                  seed: int) -> list[tuple[float, str, int]]:
-    """(send offset in s, prompt, max_tokens) for a Poisson process of `rate` over `duration`."""
+                  seed: int, prompt_tokens: int = 0) -> list[tuple[float, str | list[int], int]]:
+    """(send offset in s, prompt, max_tokens) for a Poisson process of `rate` over `duration`.
+    With prompt_tokens > 0 the prompts are random token ids of that length (models without a tokenizer,
+    e.g. random-weight speed shapes on the GPU)."""
     rng = random.Random(seed)
     count = max(1, round(rate * duration))
     offset, requests = 0.0, []
     for _ in range(count):
-        prompt = rng.choice(TASKS).format(rng.choice(TOPICS))
+        if prompt_tokens:
+            # ids below 1000 exist in every vocabulary, tiny test models' included
+            prompt: str | list[int] = [rng.randrange(10, 1000) for _ in range(prompt_tokens)]
+        else:
+            prompt = rng.choice(TASKS).format(rng.choice(TOPICS))
         requests.append((offset, prompt, rng.randint(min_tokens, max_tokens)))
         offset += rng.expovariate(rate)
     return requests
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[int], max_tokens: int,
                       start: float, headers: dict[str, str]) -> RequestResult:
     result = RequestResult(send_time=time.perf_counter() - start, max_tokens=max_tokens)
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if isinstance(prompt, list):   # token ids: a completion of exactly max_tokens (no tokenizer, no EOS)
+        # logprobs=0 makes the server send a chunk per token even when there is no text to show
+        endpoint, body = "/v1/completions", {**common, "prompt": prompt, "ignore_eos": True, "logprobs": 0}
+    else:
+        endpoint, body = "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
     sent = time.perf_counter()
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
+        async with client.stream("POST", url + endpoint, json=body, headers=headers) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
@@ -132,7 +143,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", "error")
                     return result
-                if result.ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                first = (chunk.get("choices") if isinstance(prompt, list) else
+                         any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])))
+                if result.ttft is None and first:
                     result.ttft = time.perf_counter() - sent
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
@@ -159,7 +172,7 @@ async def scrape_metric(client: httpx.AsyncClient, url: str, name: str) -> Optio
 
 async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
                    headers: dict[str, str]) -> RatePoint:
-    plan = make_requests(rate, args.duration, args.min_tokens, args.max_tokens, args.seed)
+    plan = make_requests(rate, args.duration, args.min_tokens, args.max_tokens, args.seed, args.prompt_tokens)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
         preempt_before = await scrape_metric(client, url, "kvserve:num_preemptions_total")
@@ -282,6 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
     parser.add_argument("--rates", default="1,2,4", help="comma-separated request rates (req/s)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="send random token-id prompts of this length to /v1/completions (no tokenizer needed)")
     parser.add_argument("--min-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
@@ -314,7 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         async def warmup() -> None:
             async with httpx.AsyncClient(timeout=args.request_timeout) as client:
                 for i in range(args.warmup):
-                    await one_request(client, url, model, "Say hello.", 8, time.perf_counter(), headers)
+                    prompt = list(range(10, 10 + args.prompt_tokens)) if args.prompt_tokens else "Say hello."
+                    await one_request(client, url, model, prompt, 8, time.perf_counter(), headers)
 
         asyncio.run(warmup())
         points = []
@@ -337,10 +353,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         report = {
             "benchmark": "serve_bench", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
             "server_flags": serve_args, "url": args.url, "model": model,
-            "max_model_len": models[0].get("max_model_len"), "endpoint": "/v1/chat/completions (stream)",
+            "max_model_len": models[0].get("max_model_len"), "endpoint": ("/v1/completions (stream, token-id prompts, ignore_eos)" if args.prompt_tokens
+                         else "/v1/chat/completions (stream)"),
             "workload": {"arrivals": "poisson", "duration_s_per_rate": args.duration,
                          "max_tokens_uniform": [args.min_tokens, args.max_tokens], "temperature": 0,
-                         "prompts": "one-sentence instructions (TASKS x TOPICS in the script)", "seed": args.seed},
+                         "prompts": (f"{args.prompt_tokens} random token ids" if args.prompt_tokens else
+                                     "one-sentence instructions (TASKS x TOPICS in the script)"), "seed": args.seed},
             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
             "goodput_definition": "requests meeting both SLOs / seconds from first send to last completion",
             "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

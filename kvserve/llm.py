@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence, Union
 
 from kvserve.engine.engine import Engine, PromptInput
@@ -55,7 +56,8 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+                # Only finished outputs are returned: skip the per-step snapshots streaming needs.
+                ids.append(engine.add_request(None, prompt, dataclasses.replace(p, output_kind="final_only")))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)

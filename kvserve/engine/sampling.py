@@ -96,6 +96,10 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "cumulative": Engine.step returns the request's full output after every step (streaming);
+    # "final_only": only once it finishes, which spares copying every running request's tokens
+    # each step (the offline API uses it; at batch 256 that copy was the largest host cost).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -126,6 +130,8 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of integers")
 
     def _validate_ranges(self) -> None:
+        if self.output_kind not in ("cumulative", "final_only"):
+            _fail("output_kind", self.output_kind, "must be 'cumulative' or 'final_only'")
         if self.n < 1:
             _fail("n", self.n, "must be at least 1")
         # Sample i of n uses seed + i; torch generators take seeds in [0, 2**63) here.
