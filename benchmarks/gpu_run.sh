@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT.
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [tests] [gputests] [bench] [attn] [bench8b]
-#   [offline] [profile] [serve]
+#   [offline] [profile] [serve] [kvquant]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -12,8 +12,9 @@ if [[ $what == *" tests "* ]]; then
   tail -25 "$OUT/gpu_tests.log"
 fi
 if [[ $what == *" gputests "* ]]; then   # the CUDA-only kernel tests and the model/engine tests on CUDA
-  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_model_ops.py \
-    tests/test_model_vs_transformers.py tests/test_engine.py ${PYTEST_EXTRA:-} 2>&1 | tail -60 > "$OUT/gpu_tests.log"
+  timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_model_ops.py \
+    tests/test_kv_quant_triton.py tests/test_deepseek_kernels.py tests/test_model_vs_transformers.py tests/test_engine.py \
+    ${PYTEST_EXTRA:-} 2>&1 | tail -400 > "$OUT/gpu_tests.log"
   tail -25 "$OUT/gpu_tests.log"
 fi
 if [[ $what == *" profile "* ]]; then
@@ -25,13 +26,18 @@ if [[ $what == *" profile "* ]]; then
 fi
 if [[ $what == *" offline "* ]]; then
   timeout 400 python3 benchmarks/offline_throughput.py --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
-    --dtype bfloat16 --max-num-batched-tokens 8192 --json "$OUT/gpu_h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
+    --dtype bfloat16 --max-num-batched-tokens 16384 --max-num-seqs 1024 --kv-cache-memory 60GiB \
+    --json "$OUT/gpu_h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
 fi
 if [[ $what == *" serve "* ]]; then
   timeout 400 python3 benchmarks/serve_bench.py --rates 4,16,64 --duration 20 --prompt-tokens 512 \
     --min-tokens 64 --max-tokens 128 --json "$OUT/serve_h200_r1_qwen7b.json" -- \
     --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 40GiB \
     2>&1 | tail -8 | tee "$OUT/gpu_serve.log"
+fi
+if [[ $what == *" kvquant "* ]]; then
+  timeout 200 python3 benchmarks/kv_quant_attention_bench.py --json "$OUT/kv_quant_attention_h200.json" 2>&1 \
+    | tail -30 | tee "$OUT/gpu_kvquant.log"
 fi
 if [[ $what == *" attn "* ]]; then
   timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/gpu_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"

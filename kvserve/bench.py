@@ -46,8 +46,9 @@ def _sync(device: torch.device) -> None:
 
 def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repeats: int, seed: int) -> BenchPoint:
     prompts = random_prompts(batch_size, input_len, engine.model.config.vocab_size, seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
     times, peak_usage, steps = [], 0.0, 0
+    engine.reset_expert_load()     # MoE models: tokens per expert over this point's runs
     for _ in range(repeats):
         ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
         _sync(engine.device)
@@ -63,13 +64,20 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
         _sync(engine.device)
         times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
+    extra = {"peak_kv_usage": round(peak_usage, 4), "steps": steps,
+             "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
+             "kv_bytes_per_token": engine.kv_bytes_per_token,
+             "preemptions": engine.scheduler.num_preemptions_total,
+             "runs_s": [round(t, 4) for t in times]}
+    expert_load = engine.expert_load()
+    if expert_load is not None:
+        extra["expert_load"] = expert_load.as_dict()
+        imbalance = expert_load.imbalance()
+        print(f"  expert load (batch {batch_size}): imbalance max/mean per layer: min {min(imbalance):.2f}, "
+              f"median {statistics.median(imbalance):.2f}, max {max(imbalance):.2f} over {len(imbalance)} MoE layers",
+              flush=True)
     return BenchPoint("kvserve", batch_size, input_len, output_len, seconds,
-                      batch_size * output_len / seconds, batch_size * (input_len + output_len) / seconds,
-                      {"peak_kv_usage": round(peak_usage, 4), "steps": steps,
-                       "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
-                       "kv_bytes_per_token": engine.kv_bytes_per_token,
-                       "preemptions": engine.scheduler.num_preemptions_total,
-                       "runs_s": [round(t, 4) for t in times]})
+                      batch_size * output_len / seconds, batch_size * (input_len + output_len) / seconds, extra)
 
 
 def load_transformers_model(source, dtype: torch.dtype, device: torch.device, load_format: str):

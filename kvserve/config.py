@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 _DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+EVICTION_POLICIES = ("lru", "lru-k", "lfu-age", "adaptive")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -34,6 +35,9 @@ class ModelConfig:
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     attention_backend: str = _opt("auto", "auto (triton on CUDA when importable, else torch), triton or torch",
                                   choices=("auto", "triton", "torch"))
+    moe_implementation: str = _opt("auto", "MoE experts (DeepSeek): grouped (all experts in grouped GEMMs), loop "
+                                           "(one GEMM pair per expert), auto (grouped on CUDA bf16 sm90+, else loop)",
+                                   choices=("auto", "grouped", "loop"))
 
 
 @dataclass
@@ -42,6 +46,37 @@ class CacheConfig:
     kv_cache_memory: Optional[int] = _opt(None, "bytes of KV cache (default: 1 GiB on CPU, "
                                                 "gpu_memory_utilization of free memory on CUDA)", bytes=True)
     gpu_memory_utilization: float = _opt(0.9, "fraction of free GPU memory the engine may use (weights excluded)")
+    # Prefix caching (kvserve/kvcache/prefix_cache.py; docs/prefix_caching.md).
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes (full blocks, content-hashed); "
+                                             "--no-prefix-caching turns it off", aliases=("--prefix-caching",))
+    eviction_policy: str = _opt("lru", "which cached block goes first: lru, lru-k, lfu-age, or adaptive "
+                                       "(learns the best of them online)", choices=EVICTION_POLICIES)
+    lru_k: int = _opt(2, "K of lru-k: blocks used fewer than K times are evicted first (1-8)")
+    heat_half_life_s: float = _opt(120.0, "lru-k: half-life (seconds) of the exponential decay of a block's heat")
+    prefix_sharing: str = _opt("tenant", "who reuses whose cached prefixes: tenant (own only) or global",
+                               choices=("tenant", "global"))
+    prefix_share_groups: Optional[str] = _opt(None, "tenants that share cached prefixes, e.g. 'a,b;c,d'")
+    max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)")
+    # KV cache formats (kvserve/kvcache/quant.py; docs/kv_quantization.md).
+    kv_cache_dtype: str = _opt("auto", "KV cache format (auto: the model dtype)",
+                               choices=("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4"))
+    kv_cache_dtype_k: Optional[str] = _opt(None, "keys' format, overriding kv_cache_dtype",
+                                           choices=("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4"))
+    kv_cache_dtype_v: Optional[str] = _opt(None, "values' format, overriding kv_cache_dtype",
+                                           choices=("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4"))
+    kv_full_precision_first_layers: int = _opt(0, "keep the KV cache of the first N layers in the model dtype")
+    kv_full_precision_last_layers: int = _opt(0, "keep the KV cache of the last N layers in the model dtype")
+    kv_quant_group_size: Optional[int] = _opt(None, "head_dim elements per KV scale (default: 32 for int4, "
+                                                    "the whole head for 8-bit)")
+    kv_quant_window: Optional[int] = _opt(None, "most recent tokens kept in full precision beside a quantized "
+                                                "cache (default: 128 for int4, else 0)")
+    kv_quant_sinks: Optional[int] = _opt(None, "first tokens kept in full precision beside a quantized cache "
+                                               "(default: 4 for int4, else 0)")
+    kv_error_feedback: bool = _opt(False, "carry each token's KV quantization residual into the next token's")
+    kv_scales_file: Optional[str] = _opt(None, "static per-channel KV scales from `kvserve calibrate` "
+                                               "(replaces dynamic per-token scales)")
+    kv_static_scale_parts: str = _opt("kv", "which parts use the static scales file: k, v or kv",
+                                      choices=("k", "v", "kv"))
 
 
 @dataclass
@@ -49,6 +84,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _opt(256, "most requests running at once")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to bound step time")
+    cache_aware_scheduling: bool = _opt(False, "admit waiting requests with the longest cached prefix first")
+    cache_aware_max_bypass: int = _opt(8, "cache-aware order: times a request may be overtaken before it goes first")
 
 
 @dataclass
@@ -82,12 +119,37 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
         if sched.max_num_batched_tokens < 1 or sched.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if cache.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {cache.eviction_policy!r}")
+        if not 1 <= cache.lru_k <= 8:
+            raise ValueError(f"lru_k must be in [1, 8], got {cache.lru_k}")
+        if not cache.heat_half_life_s > 0:
+            raise ValueError(f"heat_half_life_s must be > 0, got {cache.heat_half_life_s}")
+        if cache.prefix_sharing not in ("tenant", "global"):
+            raise ValueError(f"prefix_sharing must be tenant or global, got {cache.prefix_sharing!r}")
+        if not 0.0 <= cache.max_pinned_fraction <= 1.0:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {cache.max_pinned_fraction}")
+        if sched.cache_aware_max_bypass < 0:
+            raise ValueError(f"cache_aware_max_bypass must be >= 0, got {sched.cache_aware_max_bypass}")
         if model.max_model_len is not None and model.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {model.max_model_len}")
         if model.dtype not in _DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {_DTYPE_CHOICES}, got {model.dtype!r}")
         if model.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {model.load_format!r}")
+        kv_dtypes = ("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4")
+        for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
+            value = getattr(cache, name)
+            if value is not None and value not in kv_dtypes:
+                raise ValueError(f"{name} must be one of {kv_dtypes}, got {value!r}")
+        for name in ("kv_full_precision_first_layers", "kv_full_precision_last_layers"):
+            if getattr(cache, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("kv_quant_window", "kv_quant_sinks"):
+            if getattr(cache, name) is not None and getattr(cache, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if cache.kv_quant_group_size is not None and cache.kv_quant_group_size < 1:
+            raise ValueError(f"kv_quant_group_size must be >= 1, got {cache.kv_quant_group_size}")
 
     def to_options(self) -> dict[str, Any]:
         return {k: v for part in self._PARTS for k, v in dataclasses.asdict(getattr(self, part)).items()}
@@ -111,10 +173,12 @@ def add_dataclass_args(parser, config_type: type) -> None:
     """Adds one `--flag-name` per field of a config dataclass (fields carry `help`, optionally
     `choices` and `bytes=True` for sizes given as '2GiB')."""
     for f in dataclasses.fields(config_type):
-        flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
+        # Extra spellings (e.g. --prefix-caching, whose negation --no-prefix-caching is the
+        # documented off switch).
+        flags = ["--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
         if f.type in ("bool", bool):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=meta["help"])
             continue
         kind: Any = str
@@ -124,7 +188,7 @@ def add_dataclass_args(parser, config_type: type) -> None:
             kind = int
         elif "float" in str(f.type):
             kind = float
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default,
+        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default,
                             choices=meta.get("choices"), help=meta["help"])
 
 

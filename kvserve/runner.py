@@ -16,7 +16,9 @@ from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import Sampler, SamplingRow, compute_prompt_logprobs
+from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.kvcache.quant import KVCacheSpec, spec_from_config
 
 
 @dataclass
@@ -26,8 +28,11 @@ class StepResult:
     logprobs: dict[int, float] | None
 
 
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers."""
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None) -> int:
+    """Bytes of K and V one token occupies across all layers: the model dtype's, or the paged-cache
+    bytes (payload + scales) of a KV format spec."""
+    if kv_spec is not None:
+        return kv_spec.bytes_per_token
     num_kv_heads, head_dim = model.kv_head_shape
     return 2 * model.num_kv_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
@@ -35,17 +40,24 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", kv_spec: KVCacheSpec | None = None,
+                 max_num_seqs: int = 0) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
-        num_kv_heads, head_dim = model.kv_head_shape
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(model.num_kv_layers)]
+        if kv_spec is None:
+            kv_spec = spec_from_config(model, dtype, None)
+        self.kv_spec = kv_spec
+        # Quantized caches with a full-precision window or error feedback keep per-sequence state in
+        # rows: one per request that may run at once (see kvcache/quant.py).
+        self.num_kv_rows = max_num_seqs if kv_spec.needs_rows else 0
+        if kv_spec.needs_rows and self.num_kv_rows < 1:
+            raise ValueError("a KV format with a window, sinks or error feedback needs max_num_seqs >= 1")
+        self.kv_caches = kv_spec.allocate(num_blocks, block_size, device, self.num_kv_rows)
+        self._kv_row_of: dict[str, tuple[int, Request]] = {}
+        self._free_kv_rows = list(range(self.num_kv_rows - 1, -1, -1))
         self.backend = get_attention_backend(device, attention_backend)
         self.sampler = Sampler()
         self.graphs: "DecodeGraphs | None" = None
@@ -54,6 +66,8 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> np.ndarray:
+        if end - start == 1:   # a decode token: plain arithmetic beats four numpy calls per request
+            return np.array((block_table[start // self.block_size] * self.block_size + start % self.block_size,))
         positions = np.arange(start, end)
         table = np.asarray(block_table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -71,6 +85,12 @@ class ModelRunner:
             slots.append(self._slots(block_tables[request.request_id], start, end))
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)),
                                  num_decode_tokens=len(decodes))
+        kv_rows = self._assign_kv_rows(ordered) if self.num_kv_rows else None
+        if kv_rows is not None:
+            token_rows, window_slots = self._kv_row_tensors(ordered, kv_rows)
+            meta.kv_rows = self._to_device(token_rows)
+            meta.kv_window_slots = self._to_device(window_slots)
+            meta.decode_kv_rows = self._to_device(np.asarray(kv_rows[:len(decodes)], dtype=np.int64))
         if decodes:
             context_lens = np.array([item.request.num_computed_tokens + 1 for item in decodes])
             max_context = int(context_lens.max())
@@ -91,11 +111,64 @@ class ModelRunner:
             context_slots = None
             if start > 0:
                 context_slots = self._to_device(self._slots(block_tables[item.request.request_id], 0, context_len))
-            meta.prefills.append(PrefillChunk(offset, item.num_new_tokens, context_len, context_slots))
+            kv_row = kv_rows[len(decodes) + len(meta.prefills)] if kv_rows is not None else -1
+            meta.prefills.append(PrefillChunk(offset, item.num_new_tokens, context_len, context_slots, kv_row))
             offset += item.num_new_tokens
         input_ids = self._to_device(np.asarray(token_ids, dtype=np.int64))
         positions_t = self._to_device(np.concatenate(positions).astype(np.int64))
         return ordered, input_ids, positions_t, meta
+
+    # --- per-sequence rows of quantized caches (window ring, error-feedback residual) -----------
+    def _assign_kv_rows(self, items: list[ScheduledRequest]) -> list[int]:
+        """Each item's row; rows of requests that finished or were preempted go back first. A
+        request starting from position 0 (new, or recomputing after preemption) has its
+        error-feedback residual cleared."""
+        scheduled = {item.request.request_id for item in items}
+        for request_id, (row, request) in list(self._kv_row_of.items()):
+            if request_id not in scheduled and request.status != RequestStatus.RUNNING:
+                del self._kv_row_of[request_id]
+                self._free_kv_rows.append(row)
+        rows, fresh = [], []
+        for item in items:
+            request = item.request
+            entry = self._kv_row_of.get(request.request_id)
+            if entry is None:
+                if not self._free_kv_rows:
+                    raise RuntimeError("more running requests than quantized-KV rows (max_num_seqs)")
+                entry = (self._free_kv_rows.pop(), request)
+                self._kv_row_of[request.request_id] = entry
+            rows.append(entry[0])
+            if request.num_computed_tokens == 0:
+                fresh.append(entry[0])
+        if fresh and self.kv_spec.error_feedback:
+            index = torch.tensor(fresh, device=self.device)
+            for pair in self.kv_caches:
+                for part in pair:
+                    if getattr(part, "residual", None) is not None:
+                        part.residual.index_fill_(0, index, 0.0)
+        return rows
+
+    def _kv_row_tensors(self, items: list[ScheduledRequest], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(state row per token [T], ring rows per token [T, 2]: window, sink). Within a step, only
+        the last `window` tokens of a request go to the window ring (earlier ones would be
+        overwritten by later ones in the same copy, in no defined order)."""
+        spec = self.kv_spec
+        ring_len, trash = spec.sinks + spec.window, self.num_kv_rows * (spec.sinks + spec.window)
+        token_rows, window_slots = [], []
+        for item, row in zip(items, rows):
+            start = item.request.num_computed_tokens
+            end = start + item.num_new_tokens
+            positions = np.arange(start, end)
+            token_rows.append(np.full(item.num_new_tokens, row, dtype=np.int64))
+            slots = np.full((item.num_new_tokens, 2), trash, dtype=np.int64)
+            if spec.window:
+                keep = positions >= end - spec.window
+                slots[keep, 0] = row * ring_len + spec.sinks + positions[keep] % spec.window
+            if spec.sinks:
+                keep = positions < spec.sinks
+                slots[keep, 1] = row * ring_len + positions[keep]
+            window_slots.append(slots)
+        return np.concatenate(token_rows), np.concatenate(window_slots)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[StepResult]:
@@ -118,7 +191,13 @@ class ModelRunner:
             offset += item.num_new_tokens
         if not row_requests:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if sample_rows[-1] - sample_rows[0] == len(sample_rows) - 1:
+            # Rows in a run (every decode-only step): a view, no host->device index copy, which
+            # would wait for the forward to finish before the logits GEMM could even be queued.
+            sampled_hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]
+        else:
+            sampled_hidden = hidden[torch.from_numpy(np.asarray(sample_rows)).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(sampled_hidden)
         rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
                 for r in row_requests]
         result = self.sampler(logits, rows, self.eos_token_ids)
@@ -128,6 +207,8 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Captures decode steps for a ladder of batch sizes (see DecodeGraphs)."""
         if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
+            return
+        if self.kv_spec.error_feedback:    # its store loops over tokens on the host: not capturable
             return
         self.graphs = DecodeGraphs(self, max_batch_size, max_model_len)
 
@@ -205,6 +286,14 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.kv_window_slots = self.kv_rows = self.decode_kv_rows = None
+        if runner.num_kv_rows:
+            # Padding rows write to the rings' and residuals' trash rows and read nothing.
+            spec = runner.kv_spec
+            trash = runner.num_kv_rows * (spec.sinks + spec.window)
+            self.kv_window_slots = torch.full((largest, 2), trash, dtype=torch.long, device=device)
+            self.kv_rows = torch.full((largest,), runner.num_kv_rows, dtype=torch.long, device=device)
+            self.decode_kv_rows = torch.zeros(largest, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -224,9 +313,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
                                  decode_block_tables=self.block_tables[:size],
                                  decode_context_lens=self.context_lens[:size])
+        if self.kv_rows is not None:
+            meta.kv_window_slots = self.kv_window_slots[:size]
+            meta.kv_rows = self.kv_rows[:size]
+            meta.decode_kv_rows = self.decode_kv_rows[:size]
+        return meta
 
     def try_run(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]):
         """(ordered items, hidden [n, H]) from a graph replay, or (None, None) if the step does not fit."""
@@ -257,5 +351,19 @@ class DecodeGraphs:
         self.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         self.context_lens[:size].copy_(torch.from_numpy(context_lens), non_blocking=True)
         self.block_tables[:size, :width].copy_(torch.from_numpy(table_array), non_blocking=True)
+        if self.kv_rows is not None:
+            # Whole `size` rows: a padding row must not keep a real row's ring slot from an earlier step.
+            rows = self.runner._assign_kv_rows(items)
+            token_rows, window_slots = self.runner._kv_row_tensors(items, rows)
+            spec, num_rows = self.runner.kv_spec, self.runner.num_kv_rows
+            padded_rows = np.full(size, num_rows, dtype=np.int64)
+            padded_rows[:count] = token_rows
+            padded_slots = np.full((size, 2), num_rows * (spec.sinks + spec.window), dtype=np.int64)
+            padded_slots[:count] = window_slots
+            decode_rows = np.zeros(size, dtype=np.int64)
+            decode_rows[:count] = token_rows
+            self.kv_rows[:size].copy_(torch.from_numpy(padded_rows), non_blocking=True)
+            self.decode_kv_rows[:size].copy_(torch.from_numpy(decode_rows), non_blocking=True)
+            self.kv_window_slots[:size].copy_(torch.from_numpy(padded_slots), non_blocking=True)
         self.graphs[size].replay()
         return items, self.outputs[size][:count]

@@ -441,14 +441,14 @@ def test_rms_norm(with_residual, num_rows, hidden_size, dtype):
 
 def test_rms_norm_reference_matches_model_layer():
     """The reference is the model's RMSNorm (plus the decoder layer's residual add), bit for bit."""
-    from kvserve.model.layers import RMSNorm
+    from kvserve.model.layers import RMSNorm, fused_kernels
     torch.manual_seed(10)
     for dtype in DTYPES:
         norm = RMSNorm(96, 1e-5).to(device=DEVICE, dtype=dtype)
         with torch.no_grad():
             norm.weight.copy_(torch.randn(96))
         x, residual = torch.randn(5, 96, dtype=dtype, device=DEVICE), torch.randn(5, 96, dtype=dtype, device=DEVICE)
-        with torch.no_grad():
+        with torch.no_grad(), fused_kernels(False):   # the layer's torch path, not its fused kernel
             assert torch.equal(references.rms_norm(x, norm.weight, 1e-5), norm(x))
             out, new_residual = references.rms_norm(x, norm.weight, 1e-5, residual)
             assert torch.equal(new_residual, residual + x) and torch.equal(out, norm(residual + x))
@@ -485,11 +485,11 @@ def test_silu_and_mul(num_rows, inner_size, dtype):
 
 
 def test_silu_and_mul_reference_matches_model_layer():
-    from kvserve.model.layers import SwiGLU
+    from kvserve.model.layers import SwiGLU, fused_kernels
     torch.manual_seed(13)
     mlp = SwiGLU(32, 48).to(DEVICE)
     x = torch.randn(4, 32, device=DEVICE)
-    with torch.no_grad():
+    with torch.no_grad(), fused_kernels(False):
         assert torch.equal(mlp.down_proj(references.silu_and_mul(mlp.gate_up_proj(x))), mlp(x))
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels import reference
+from kvserve.kernels import cpu as cpu_kernels
+from kvserve.kernels import quant_reference, reference
 
 
 class TorchAttentionBackend:
@@ -20,10 +21,16 @@ class TorchAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]."""
+        if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+            return forward_quantized(query, key, value, k_cache, v_cache, meta, scale)
         reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
-        if num_decodes:
+        if num_decodes and _native_cpu_decode(query, k_cache):
+            # Reads the blocks in place instead of gathering them (kvserve.kernels.cpu).
+            output[:num_decodes] = cpu_kernels.paged_decode_attention(
+                query[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        elif num_decodes:
             output[:num_decodes] = reference.paged_decode_attention(
                 query[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
                 meta.decode_context_mask, scale)
@@ -35,6 +42,35 @@ class TorchAttentionBackend:
                 output[span] = reference.paged_prefill_attention(
                     query[span], k_cache, v_cache, chunk.context_slots, scale)
         return output
+
+
+def _native_cpu_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and cpu_kernels.available())
+
+
+def forward_quantized(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache, v_cache,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The reference over a layer whose K and/or V part is quantized (kvserve.kvcache.quant).
+
+    Plain prefills attend over the chunk's own full-precision K/V, as the full-precision path does:
+    quantization error enters through what later steps read back from the cache."""
+    quant_reference.store_part(k_cache, key, meta.slot_mapping, meta.kv_window_slots, meta.kv_rows)
+    quant_reference.store_part(v_cache, value, meta.slot_mapping, meta.kv_window_slots, meta.kv_rows)
+    output = torch.empty_like(query)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        output[:num_decodes] = quant_reference.paged_decode_attention(
+            query[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+            meta.decode_kv_rows)
+    for chunk in meta.prefills:
+        span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        if chunk.context_slots is None:
+            output[span] = reference.prefill_attention(query[span], key[span], value[span], scale)
+        else:
+            output[span] = quant_reference.paged_prefill_attention(
+                query[span], k_cache, v_cache, chunk.context_slots, scale, chunk.kv_row)
+    return output
 
 
 def triton_available() -> bool:

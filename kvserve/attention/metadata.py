@@ -17,6 +17,7 @@ class PrefillChunk:
     query_len: int
     context_len: int          # tokens of the request in the cache after this step (prefix + chunk)
     context_slots: torch.Tensor | None   # [context_len] slots; None when the chunk is the whole context
+    kv_row: int = -1          # the request's row in quantized caches' per-sequence state (window ring)
 
 
 @dataclass
@@ -27,6 +28,12 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None    # [num_decodes] int32
     decode_context_mask: torch.Tensor | None = None    # [num_decodes, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Quantized caches with a full-precision window or error feedback (kvserve.kvcache.quant): each
+    # token's ring rows [num_tokens, 2] (window row, sink row; a trash row where the ring drops it),
+    # its sequence's state row [num_tokens], and each decode's state row [num_decodes].
+    kv_window_slots: torch.Tensor | None = None
+    kv_rows: torch.Tensor | None = None
+    decode_kv_rows: torch.Tensor | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

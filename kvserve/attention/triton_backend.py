@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.kernels import reference
+from kvserve.kernels import quant_reference, reference
 
 
 class TritonAttentionBackend:
@@ -41,6 +41,8 @@ class TritonAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]."""
+        if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+            return self._forward_quantized(query, key, value, k_cache, v_cache, meta, scale)
         kernels = self._kernels
         kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         output = torch.empty_like(query)
@@ -57,6 +59,45 @@ class TritonAttentionBackend:
                 span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
                 output[span] = reference.prefill_attention(query[span], key[span], value[span], scale)
         return output
+
+    def _forward_quantized(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+        """A layer with a quantized part (kvserve.kvcache.quant): the store kernel quantizes on
+        write, the decode kernel dequantizes K/V tiles as it reads them. Prefill chunks over a
+        cached prefix go through the torch reference (gather + dequantize + SDPA); plain prefills
+        attend over their own full-precision K/V, as in the full-precision path."""
+        from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+        self._store_part(k_cache, key, meta)
+        self._store_part(v_cache, value, meta)
+        output = torch.empty_like(query)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            paged_decode_attention_quant(query[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_context_lens, scale, meta.decode_kv_rows,
+                                         out=output[:num_decodes], max_context_len=self.max_decode_context_len)
+        for chunk in meta.prefills:
+            span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if chunk.context_slots is None:
+                output[span] = reference.prefill_attention(query[span], key[span], value[span], scale)
+            else:
+                output[span] = quant_reference.paged_prefill_attention(query[span], k_cache, v_cache,
+                                                                       chunk.context_slots, scale, chunk.kv_row)
+        return output
+
+    def _store_part(self, cache, x: torch.Tensor, meta: AttentionMetadata) -> None:
+        if isinstance(cache, torch.Tensor):
+            self._kernels.store_kv(x, x, cache, cache, meta.slot_mapping)   # one part: K and V slots alike
+            return
+        from kvserve.kernels.triton import kv_store_quant
+        if cache.residual is not None or not kv_store_quant.supported(cache):
+            # Error feedback runs token after token on the host (DecodeGraphs skips it).
+            cache.store(x, meta.slot_mapping, meta.kv_window_slots, meta.kv_rows)
+            return
+        kv_store_quant.store_quantized(x, cache, meta.slot_mapping)
+        if cache.window is not None and meta.kv_window_slots is not None:
+            source = x.to(cache.window.dtype)
+            for column in range(meta.kv_window_slots.shape[1]):
+                cache.window.index_copy_(0, meta.kv_window_slots[:, column], source)
 
     def _prefill_plan(self, meta: AttentionMetadata):
         if self._planned_meta is not meta:

@@ -17,12 +17,15 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import CacheOptions, Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import RequestRejected, Scheduler
+from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
+from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.builder import build_model, resolve_device, resolve_dtype
 from kvserve.model.loader import resolve_model
+from kvserve.kvcache.quant import spec_from_config
 from kvserve.runner import ModelRunner, kv_bytes_per_token
 
 logger = logging.getLogger("kvserve")
@@ -58,13 +61,20 @@ class Engine:
         self.tokenizer = self.source.load_tokenizer()
         started = time.perf_counter()
         self.model = build_model(self.source, self.dtype, self.device, model_cfg.load_format, model_cfg.seed)
+        if hasattr(self.model, "set_moe_implementation"):      # MoE models (kvserve/model/moe.py)
+            self.model.set_moe_implementation(model_cfg.moe_implementation)
         logger.info("loaded %s (%s) on %s as %s in %.1fs", self.source.path, self.source.architecture,
                     self.device, self.dtype, time.perf_counter() - started)
 
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model, self.dtype)
+        # The KV format (kvcache/quant.py) sets the true bytes per token, so it sizes the pool.
+        self.kv_spec = spec_from_config(self.model, self.dtype, cache_cfg)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model, self.dtype, self.kv_spec)
         num_blocks = self._num_kv_blocks()
         block_size = cache_cfg.block_size
-        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, self._build_prefix_cache(num_blocks))
+        # Tenant namespaces, pins and the published prefix-cache stats (docs/prefix_caching.md).
+        self.prefix = PrefixControl(self.kv_manager, cache_cfg.eviction_policy, cache_cfg.prefix_sharing,
+                                    cache_cfg.prefix_share_groups)
         model_limit = int(getattr(self.source.hf_config, "max_position_embeddings", 0) or 1 << 20)
         max_model_len = model_cfg.max_model_len or model_limit
         capacity = self.kv_manager.capacity_tokens
@@ -74,7 +84,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
-                                  model_cfg.attention_backend)
+                                  model_cfg.attention_backend, self.kv_spec,
+                                  config.scheduler_config.max_num_seqs)
         if not model_cfg.enforce_eager:
             started = time.perf_counter()
             self.runner.capture_cuda_graphs(config.scheduler_config.max_num_seqs, max_model_len)
@@ -86,8 +97,19 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%d bytes/token), max_model_len %d",
-                    num_blocks, block_size, capacity, self.kv_bytes_per_token, max_model_len)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max_model_len %d",
+                    num_blocks, block_size, capacity, self.kv_spec.describe(), max_model_len)
+        self.reset_expert_load()      # the profiling step is not load
+
+    # --- MoE expert load (tokens per expert per layer; kvserve/model/moe.py) ----------------------
+    def expert_load(self):
+        """ExpertLoadStats since the last reset, or None for a model without MoE layers."""
+        collect = getattr(self.model, "expert_load", None)
+        return collect() if collect is not None else None
+
+    def reset_expert_load(self) -> None:
+        if hasattr(self.model, "reset_expert_load"):
+            self.model.reset_expert_load()
 
     @classmethod
     def from_options(cls, **options: Any) -> "Engine":
@@ -102,11 +124,36 @@ class Engine:
                 budget = self._cuda_kv_budget()
             else:
                 budget = _DEFAULT_CPU_KV_BYTES
+        budget -= self._kv_fixed_bytes(budget)
         num_blocks = budget // (self.kv_bytes_per_token * cache_cfg.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget} bytes holds no block of {cache_cfg.block_size} "
                              f"tokens at {self.kv_bytes_per_token} bytes/token")
         return int(num_blocks)
+
+    def _kv_fixed_bytes(self, budget: int) -> int:
+        """Bytes of a quantized format's per-sequence state (full-precision window rings): one row
+        per running request. When max_num_seqs rows would take over a quarter of the budget, fewer
+        requests run at once (max_num_seqs is lowered, with a warning)."""
+        sched = self.config.scheduler_config
+        fixed = self.kv_spec.fixed_bytes(sched.max_num_seqs)
+        if fixed > budget // 4 and self.kv_spec.needs_rows:
+            per_row = max(1, self.kv_spec.fixed_bytes(2) - self.kv_spec.fixed_bytes(1))
+            rows = max(1, (budget // 4) // per_row)
+            logger.warning("the KV window of %d rows needs %d bytes; max_num_seqs lowered from %d to %d",
+                           sched.max_num_seqs, fixed, sched.max_num_seqs, rows)
+            sched.max_num_seqs = rows
+            fixed = self.kv_spec.fixed_bytes(rows)
+        return fixed
+
+    def _build_prefix_cache(self, num_blocks: int) -> Optional[PrefixCache]:
+        spec = getattr(self, "kv_spec", None)
+        if self.config.cache_config.enable_prefix_caching and getattr(spec, "needs_rows", False):
+            # A full-precision window / error-feedback state lives per running sequence, outside
+            # the blocks, so a request starting from cached blocks would lack it.
+            logger.warning("prefix caching is off: the KV format keeps per-sequence state outside the blocks")
+            return None
+        return build_prefix_cache(self.config.cache_config, num_blocks)
 
     def _cuda_kv_budget(self) -> int:
         """Free memory after weights and a profiled worst-case step, times gpu_memory_utilization."""
@@ -155,9 +202,18 @@ class Engine:
         raise RequestRejected(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def add_request(self, request_id: Optional[str], prompt: PromptInput,
-                    params: Optional[SamplingParams] = None) -> str:
-        """Queues a request (n samples); raises RequestRejected if it can never run."""
+                    params: Optional[SamplingParams] = None, *, tenant: Optional[str] = None,
+                    cache_salt: Optional[str] = None, pin_ttl: Optional[float] = None,
+                    pin_prefix_tokens: Optional[int] = None) -> str:
+        """Queues a request (n samples); raises RequestRejected if it can never run. tenant /
+        cache_salt choose the prefix-cache namespace; pin_ttl pins the prompt's first
+        pin_prefix_tokens (default all) for that many seconds (see CacheOptions)."""
         params = params or SamplingParams()
+        try:
+            cache_opts = CacheOptions.resolve(prompt, tenant=tenant, cache_salt=cache_salt, pin_ttl=pin_ttl,
+                                              pin_prefix_tokens=pin_prefix_tokens)
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from None
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -167,13 +223,22 @@ class Engine:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
+        namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
+        if cache_opts.pin_ttl is not None:
+            try:
+                self.prefix.pin(prompt_ids[:cache_opts.pin_prefix_tokens], cache_opts.pin_ttl, cache_opts.tenant,
+                                cache_opts.cache_salt)
+            except ValueError as exc:
+                raise RequestRejected(f"cannot pin the prompt: {exc}") from None
         children = []
         for index in range(params.n):
             child_params = params
             if params.seed is not None and index:
                 child_params = _replace_seed(params, params.seed + index)
-            children.append(Request(f"{request_id}#{index}" if params.n > 1 else request_id,
-                                    list(prompt_ids), child_params, max_tokens))
+            child = Request(f"{request_id}#{index}" if params.n > 1 else request_id,
+                            list(prompt_ids), child_params, max_tokens, tenant=cache_opts.tenant)
+            child.set_cache_namespace(namespace)
+            children.append(child)
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output) if self.tokenizer is not None else None
                   for _ in children]
@@ -207,6 +272,12 @@ class Engine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        try:
+            return self._run_step(sched_out)
+        finally:
+            self.prefix.publish()
+
+    def _run_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         results = self.runner.execute(sched_out, self.kv_manager.block_tables)
         for item in sched_out.scheduled:
             self.scheduler.advance(item)
@@ -230,7 +301,9 @@ class Engine:
                     request.stop_reason = hit
                     self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             touched[group.request_id] = group
-        outputs = [self._make_output(group) for group in touched.values()]
+        outputs = [self._make_output(group) for group in touched.values()
+                   if group.children[0].params.output_kind == "cumulative"
+                   or all(child.is_finished for child in group.children)]
         for output in outputs:
             if output.finished:
                 group = self._groups.pop(output.request_id)
@@ -261,6 +334,17 @@ class Engine:
                                  sum(c.num_preemptions for c in group.children))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs,
                              completions, all(c.is_finished for c in group.children), metrics)
+
+    # --- prefix cache -----------------------------------------------------------------------------
+    def pin_prefix(self, prompt: PromptInput, ttl_s: float, *, tenant: Optional[str] = None,
+                   cache_salt: Optional[str] = None, num_tokens: Optional[int] = None) -> PinInfo:
+        """Pins a prefix (e.g. a system prompt) in the tenant's namespace for ttl_s seconds:
+        its blocks, cached now or when first computed, are evicted only after unpinned ones."""
+        _, token_ids = self.tokenize_prompt(prompt)
+        return self.prefix.pin(token_ids[:num_tokens], ttl_s, tenant, cache_salt)
+
+    def unpin_prefix(self, pin_id: int, *, tenant: Optional[str] = None) -> bool:
+        return self.prefix.unpin(pin_id, tenant)
 
     # --- introspection --------------------------------------------------------------------------
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -10,6 +11,10 @@ from typing import Optional
 import torch
 
 from kvserve.engine.sampling import SamplingParams
+from kvserve.kvcache.prefix_cache import make_namespace, namespace_root
+
+_DEFAULT_NAMESPACE = make_namespace(None, None)
+_DEFAULT_ROOT = namespace_root(_DEFAULT_NAMESPACE)
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +53,26 @@ class Request:
     # (the first is None) when params.prompt_logprobs is set.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
+    # Prefix caching: the namespace its blocks are cached in (tenant or share group, + cache_salt),
+    # that namespace's root hash, and the chain hashes of its full blocks (extended by the KV
+    # manager as blocks fill; a pure function of the tokens, so they survive preemption).
+    tenant: Optional[str] = None
+    cache_namespace: str = _DEFAULT_NAMESPACE
+    cache_root: bytes = _DEFAULT_ROOT
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: Optional[int] = None     # tokens served from the prefix cache at first admission
+    num_bypassed: int = 0                       # times a later request was admitted first (cache-aware order)
+
+    def set_cache_namespace(self, namespace: str) -> None:
+        self.cache_namespace = namespace
+        self.cache_root = namespace_root(namespace)
+        self.block_hashes.clear()
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so such requests skip lookups
+        (their blocks are still published for others)."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -86,3 +111,45 @@ class Request:
     @property
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.is_finished else None
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Per-request prefix-cache options: the tenant (namespace), a cache_salt (only requests with
+    the same salt share blocks), and an optional pin of the prompt's first `pin_prefix_tokens`
+    (default: all of it) for `pin_ttl` seconds. Given as `Engine.add_request` keywords or, the
+    way vLLM prompts carry `cache_salt`, as keys of a prompt dict (that is how the server passes
+    them through AsyncEngine)."""
+    tenant: Optional[str] = None
+    cache_salt: Optional[str] = None
+    pin_ttl: Optional[float] = None
+    pin_prefix_tokens: Optional[int] = None
+
+    @classmethod
+    def resolve(cls, prompt: object, **given: object) -> "CacheOptions":
+        values = {name: given.get(name) for name in ("tenant", "cache_salt", "pin_ttl", "pin_prefix_tokens")}
+        if isinstance(prompt, dict):
+            for name in values:
+                if prompt.get(name) is not None:
+                    if values[name] is not None and values[name] != prompt[name]:
+                        raise ValueError(f"{name} given twice with different values")
+                    values[name] = prompt[name]
+        options = cls(**values)
+        options.validate()
+        return options
+
+    def validate(self) -> None:
+        for name in ("tenant", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string")
+        if self.pin_ttl is not None:
+            if isinstance(self.pin_ttl, bool) or not isinstance(self.pin_ttl, (int, float)) \
+                    or not math.isfinite(self.pin_ttl) or self.pin_ttl <= 0:
+                raise ValueError(f"pin_ttl must be a positive number of seconds, got {self.pin_ttl!r}")
+        if self.pin_prefix_tokens is not None:
+            if isinstance(self.pin_prefix_tokens, bool) or not isinstance(self.pin_prefix_tokens, int) \
+                    or self.pin_prefix_tokens < 1:
+                raise ValueError(f"pin_prefix_tokens must be an integer >= 1, got {self.pin_prefix_tokens!r}")
+            if self.pin_ttl is None:
+                raise ValueError("pin_prefix_tokens needs pin_ttl")

@@ -5,17 +5,29 @@ There are no prefill and decode phases, only requests whose `num_computed_tokens
 share a batch (chunked prefill). Running requests go first, oldest first. When the KV pool runs
 dry, the newest running request is preempted: its blocks are freed and it is recomputed later
 from its prompt plus what it had generated (recompute preemption), so outputs do not change.
+
+Prefix caching: a waiting request's table starts with the cached blocks of its longest cached
+prefix, and `num_computed_tokens` starts at their length (the last token is always computed).
+Admission counts those blocks as already there. With `cache_aware_scheduling`, waiting requests
+with longer cached prefixes go first (they cost less to admit and their blocks may be evicted
+if they wait); a request overtaken `cache_aware_max_bypass` times goes strictly first, so nobody
+starves. Preempted requests always go first.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kvcache.manager import KVCacheManager, blocks_for_tokens
+from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
+
+# Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
+CACHE_AWARE_WINDOW = 64
 
 
 class RequestRejected(ValueError):
@@ -111,25 +123,83 @@ class Scheduler:
         # New work only when nothing was preempted this step: otherwise it would take the blocks
         # the preempted requests need to come back.
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
-                num_new = request.num_tokens - request.num_computed_tokens
-                if not chunked and num_new > budget:
-                    break
-                num_new = min(num_new, budget)
-                needed = self.kv_manager.num_new_blocks_needed(request.request_id, num_new)
-                if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
-                    break
-                if not self.kv_manager.allocate_slots(request.request_id, num_new):
-                    break
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.monotonic()
-                self.running.append(request)
-                out.scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+            self._admit_waiting(out, budget)
         return out
+
+    def _lookup(self, request: Request) -> Optional[PrefixHit]:
+        if not self.kv_manager.enable_prefix_caching or not request.uses_prefix_cache:
+            return None
+        return self.kv_manager.find_cached_prefix(request)
+
+    @property
+    def _cache_aware(self) -> bool:
+        return self.config.cache_aware_scheduling and self.kv_manager.enable_prefix_caching
+
+    def _waiting_order(self) -> list[Request]:
+        """FIFO, or (cache-aware) longest cached prefix first among the first requests, with
+        preempted and starving requests ahead in FIFO order."""
+        if not self._cache_aware:
+            return list(itertools.islice(self.waiting, self.config.max_num_seqs))
+        window = list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
+        limit = self.config.cache_aware_max_bypass
+
+        def rank(item: tuple[int, Request]) -> tuple:
+            position, request = item
+            if request.status == RequestStatus.PREEMPTED or request.num_bypassed >= limit:
+                return (0, 0, position)
+            hit = self._lookup(request)
+            return (1, -(hit.num_tokens if hit is not None else 0), position)
+
+        return [request for _, request in sorted(enumerate(window), key=rank)]
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        caching = self.kv_manager.enable_prefix_caching
+        fifo = list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW)) if self._cache_aware else []
+        candidates = self._waiting_order()
+        admitted: set[str] = set()
+        for request in candidates:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
+            hit = self._lookup(request)
+            num_cached = hit.num_tokens if hit is not None else 0
+            num_new = request.num_tokens - num_cached
+            if not chunked and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            needed = self.kv_manager.num_new_blocks_needed(request.request_id, num_cached + num_new, hit)
+            if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
+                break
+            if not self.kv_manager.allocate_slots(request.request_id, num_cached + num_new, hit,
+                                                  request if caching else None):
+                break
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
+            admitted.add(request.request_id)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        if admitted and fifo:
+            self._count_bypasses(fifo, admitted)
+
+    @staticmethod
+    def _count_bypasses(fifo: list[Request], admitted: set[str]) -> None:
+        """Each request still waiting is charged one bypass per request behind it admitted."""
+        later_admitted = 0
+        for request in reversed(fifo):
+            if request.request_id in admitted:
+                later_admitted += 1
+            else:
+                request.num_bypassed += later_admitted
 
     def _preempt(self, request: Request) -> None:
         self.kv_manager.free(request.request_id)
@@ -141,7 +211,10 @@ class Scheduler:
 
     # --- after the model ran ------------------------------------------------------------------
     def advance(self, scheduled: ScheduledRequest) -> None:
-        scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+        request = scheduled.request
+        request.num_computed_tokens += scheduled.num_new_tokens
+        # Blocks now full of computed KV become visible to other requests' lookups.
+        self.kv_manager.cache_full_blocks(request.request_id, request.num_computed_tokens)
 
     def append_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
         """Records a sampled token and finishes the request on eos, a stop id or its length limit."""

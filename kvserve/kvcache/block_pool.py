@@ -1,13 +1,18 @@
 """Physical KV blocks of one tier: which are free and how many owners each has.
 
-The pool owns reference counts; nobody else keeps a copy. A block is free exactly when its count
-is zero, and then it sits in the free queue once. Later issues (prefix caching) keep freed blocks
-addressable until they are evicted; the pool's contract stays the same.
+The pool owns reference counts; nobody else keeps a copy. A block with no owner is either
+*empty* (in the FIFO queue, content meaningless) or, with prefix caching, *cached*: it keeps its
+KV and stays addressable by hash until the prefix cache's eviction policy gives it up. Both count
+as free: an allocation takes empty blocks first and evicts cached ones only when none are left.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from kvserve.kvcache.prefix_cache import PrefixCache
 
 
 class BlockPoolError(RuntimeError):
@@ -15,22 +20,27 @@ class BlockPoolError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, cache: Optional["PrefixCache"] = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.cache = cache
         self._ref_counts = [0] * num_blocks
-        # FIFO reuse spreads writes over the pool and keeps recently freed blocks intact longest,
-        # which is what a prefix cache will want.
-        self._free: deque[int] = deque(range(num_blocks))
+        # FIFO reuse spreads writes over the pool.
+        self._empty: deque[int] = deque(range(num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: empty ones plus evictable cached ones."""
+        return len(self._empty) + (self.cache.num_evictable if self.cache is not None else 0)
+
+    @property
+    def num_empty_blocks(self) -> int:
+        return len(self._empty)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -40,11 +50,13 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise BlockPoolError(f"asked for {count} blocks with {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block_id in blocks:
+        if count > self.num_free_blocks:
+            raise BlockPoolError(f"asked for {count} blocks with {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(count):
+            block_id = self._empty.popleft() if self._empty else self.cache.evict()
             self._ref_counts[block_id] = 1
+            blocks.append(block_id)
         return blocks
 
     def share(self, block_id: int) -> None:
@@ -53,7 +65,15 @@ class BlockPool:
             raise BlockPoolError(f"block {block_id} is free and cannot be shared")
         self._ref_counts[block_id] += 1
 
-    def free(self, blocks: list[int]) -> None:
+    def acquire_cached(self, block_id: int) -> None:
+        """Adds an owner to a cached block (a prefix hit), taking it out of the evictable set."""
+        if self.cache is None or not self.cache.holds(block_id):
+            raise BlockPoolError(f"block {block_id} is not a cached block")
+        if self._ref_counts[block_id] == 0:
+            self.cache.on_acquire(block_id)
+        self._ref_counts[block_id] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
         for block_id in blocks:
             if not 0 <= block_id < self.num_blocks:
                 raise BlockPoolError(f"block {block_id} is not in this pool")
@@ -62,4 +82,7 @@ class BlockPool:
                 raise BlockPoolError(f"block {block_id} freed twice")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                self._free.append(block_id)
+                if self.cache is not None and self.cache.holds(block_id):
+                    self.cache.on_release(block_id)
+                else:
+                    self._empty.append(block_id)

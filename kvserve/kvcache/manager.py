@@ -2,22 +2,56 @@
 
 The manager owns block tables; the pool owns refcounts; the scheduler owns request state. Block
 tables are append-only while a request runs, so slot numbers handed to a kernel stay valid.
+
+With prefix caching, a table starts with the cached blocks of the request's longest cached
+prefix (`find_cached_prefix`, then `allocate_slots(..., prefix=...)`), and every block that
+becomes full of computed tokens is published to the cache (`cache_full_blocks`, after each step)
+so later requests can hit it. A request never writes into a block it got from the cache: hits are
+whole blocks and the request's computation starts right after them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
 from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.prefix_cache import (HashedSequence, Pin, PrefixCache, chain_hashes, hash_block,
+                                          namespace_root)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class PrefixHit:
+    """The result of a lookup: cached blocks to start the request's table with."""
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0                 # len(block_ids) * block_size
+    num_query_tokens: int = 0           # tokens the lookup was for (hit-rate denominator)
+    num_query_blocks: int = 0           # full blocks of those tokens (hashes computed)
+
+
+@dataclass
+class _CacheState:
+    """Per-request prefix-cache bookkeeping, dropped when the request's table is freed."""
+    sequence: HashedSequence
+    num_published: int = 0              # leading table blocks already offered to the cache
+    num_looked_up: int = 0              # blocks the admission lookup reported to the policy
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: Optional[PrefixCache] = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = prefix_cache
+        self.pool = BlockPool(num_blocks, prefix_cache)
         self._block_tables: dict[str, list[int]] = {}
+        self._cache_states: dict[str, _CacheState] = {}
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
 
     @property
     def num_blocks(self) -> int:
@@ -25,6 +59,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Empty plus evictable cached blocks."""
         return self.pool.num_free_blocks
 
     @property
@@ -43,26 +78,111 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables.get(request_id, [])
 
-    def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
+    def num_new_blocks_needed(self, request_id: str, num_total_tokens: int, prefix: Optional[PrefixHit] = None) -> int:
+        """Blocks an allocation would take from the free pool: new ones, plus cached hits that are
+        evictable now (they count as free but stop being free once the request holds them)."""
         have = len(self._block_tables.get(request_id, ()))
+        if prefix is not None and prefix.block_ids and not have:
+            reused = sum(1 for b in prefix.block_ids if self.pool.ref_count(b) == 0)
+            return max(0, blocks_for_tokens(num_total_tokens, self.block_size) - len(prefix.block_ids)) + reused
         return max(0, blocks_for_tokens(num_total_tokens, self.block_size) - have)
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int) -> bool:
+    # --- prefix cache -------------------------------------------------------------------------------
+    def _extend_hashes(self, seq: HashedSequence, num_blocks: int) -> None:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        parent = hashes[-1] if hashes else seq.cache_root
+        for index in range(len(hashes), num_blocks):
+            parent = hash_block(parent, seq.token_ids_between(index * bs, (index + 1) * bs))
+            hashes.append(parent)
+
+    def find_cached_prefix(self, seq: HashedSequence) -> PrefixHit:
+        """Longest cached prefix of the sequence's tokens, in whole blocks, leaving at least the
+        last token to compute (the step that computes it produces the next token's logits). No
+        side effects besides hashing the sequence's full blocks."""
+        num_tokens = seq.num_tokens
+        num_full = num_tokens // self.block_size
+        if self.prefix_cache is None:
+            return PrefixHit(num_query_tokens=num_tokens, num_query_blocks=num_full)
+        self._extend_hashes(seq, num_full)
+        bs = self.block_size
+        blocks = self.prefix_cache.lookup(seq.block_hashes, lambda i: seq.token_ids_between(i * bs, (i + 1) * bs),
+                                          seq.cache_root, seq.cache_namespace, (num_tokens - 1) // bs)
+        return PrefixHit(blocks, len(blocks) * bs, num_tokens, num_full)
+
+    def cache_full_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Publishes the request's blocks that are now full of computed tokens."""
+        state = self._cache_states.get(request_id)
+        table = self._block_tables.get(request_id)
+        if state is None or table is None:
+            return
+        end = min(num_computed_tokens // self.block_size, len(table))
+        if end <= state.num_published:
+            return
+        seq, bs = state.sequence, self.block_size
+        self._extend_hashes(seq, end)
+        hashes = seq.block_hashes
+        for index in range(state.num_published, end):
+            parent = hashes[index - 1] if index else seq.cache_root
+            tokens = seq.token_ids_between(index * bs, (index + 1) * bs)
+            self.prefix_cache.insert(table[index], hashes[index], parent, tokens, seq.cache_namespace, index)
+        state.num_published = end
+
+    def pin_prefix(self, token_ids: Sequence[int], namespace: str, ttl_s: float) -> tuple[Pin, int]:
+        """Pins the full blocks of `token_ids` in `namespace` (cached now or when computed later).
+        Returns (pin, number of those blocks cached now)."""
+        if self.prefix_cache is None:
+            raise ValueError("prefix caching is off: nothing to pin")
+        hashes = chain_hashes(namespace_root(namespace), token_ids, self.block_size)
+        if not hashes:
+            raise ValueError(f"a pinned prefix needs at least one full block ({self.block_size} tokens), "
+                             f"got {len(token_ids)} tokens")
+        pin = self.prefix_cache.pin(hashes, namespace, ttl_s)
+        return pin, self.prefix_cache.num_cached_of(hashes)
+
+    # --- allocation ---------------------------------------------------------------------------------
+    def allocate_slots(self, request_id: str, num_total_tokens: int, prefix: Optional[PrefixHit] = None,
+                       sequence: Optional[HashedSequence] = None) -> bool:
         """Grows the request's table to hold `num_total_tokens`; False (nothing changed) if the pool
-        lacks the blocks, so the scheduler can preempt and retry."""
-        needed = self.num_new_blocks_needed(request_id, num_total_tokens)
+        lacks the blocks, so the scheduler can preempt and retry. A first allocation may start the
+        table with a prefix hit, and with `sequence` (a prefix-cache-enabled request) the
+        request's full blocks are published to the cache as they are computed."""
+        table = self._block_tables.get(request_id)
+        if table is not None:
+            prefix = None       # hits only start a table
+        needed = self.num_new_blocks_needed(request_id, num_total_tokens, prefix)
         if needed > self.pool.num_free_blocks:
             return False
-        table = self._block_tables.setdefault(request_id, [])
-        if needed:
-            table.extend(self.pool.allocate(needed))
+        if table is None:
+            table = self._block_tables[request_id] = []
+            if prefix is not None and prefix.block_ids:
+                for block_id in prefix.block_ids:
+                    self.pool.acquire_cached(block_id)
+                table.extend(prefix.block_ids)
+            if self.prefix_cache is not None and sequence is not None:
+                state = self._cache_states[request_id] = _CacheState(sequence, num_published=len(table))
+                if prefix is not None:
+                    self.prefix_cache.record_query(prefix.num_query_tokens, prefix.num_tokens)
+                    state.num_looked_up = prefix.num_query_blocks
+                    self.prefix_cache.observe_lookup(sequence.block_hashes[:prefix.num_query_blocks])
+        new = blocks_for_tokens(num_total_tokens, self.block_size) - len(table)
+        if new > 0:
+            table.extend(self.pool.allocate(new))
         return True
 
     def free(self, request_id: str) -> None:
         table = self._block_tables.pop(request_id, None)
-        if table:
-            # Freed in reverse so the tail (least likely shared) is reused first.
-            self.pool.free(list(reversed(table)))
+        state = self._cache_states.pop(request_id, None)
+        if not table:
+            return
+        if self.prefix_cache is not None:
+            now = self.prefix_cache.clock()
+            self.prefix_cache.record_use(table, now)
+            if state is not None and state.num_published > state.num_looked_up:
+                self.prefix_cache.observe_release(
+                    state.sequence.block_hashes[state.num_looked_up:state.num_published], state.num_looked_up, now)
+        # Freed in reverse so the tail (least likely shared) is reused first.
+        self.pool.free(reversed(table))
 
     @property
     def num_tracked_requests(self) -> int:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.cpu_linear import can_pack, pack_linears
-from kvserve.model.llama import MODEL_CLASSES
+from kvserve.model.deepseek import MODEL_CLASSES as DEEPSEEK_CLASSES
+from kvserve.model.llama import MODEL_CLASSES as LLAMA_CLASSES
+
+MODEL_CLASSES = {**LLAMA_CLASSES, **DEEPSEEK_CLASSES}
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}

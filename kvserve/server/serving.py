@@ -34,7 +34,7 @@ from kvserve.engine.sampling import SamplingParams
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, error_body, from_value_error
 from kvserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest)
+                                     PrefixPinRequest, PrefixUnpinRequest, TokenizeRequest)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -286,9 +286,15 @@ class OpenAIServing:
         engine = self.async_engine
         stream = engine.open_stream()
         tenant = tenant if tenant is not None else req.tenant
+        # Prefix-cache options ride in the prompt dict (as vLLM's cache_salt does), so AsyncEngine
+        # passes them through unchanged; the tenant picks the cache namespace.
+        cache_options = {key: value for key, value in (("tenant", tenant), ("cache_salt", req.cache_salt),
+                                                       ("pin_ttl", req.pin_ttl),
+                                                       ("pin_prefix_tokens", req.pin_prefix_tokens))
+                         if value is not None}
         try:
             for index, ids in enumerate(prompt_ids):
-                await engine.add_request(f"{request_id}-{index}", {"prompt_token_ids": ids}, params,
+                await engine.add_request(f"{request_id}-{index}", {"prompt_token_ids": ids, **cache_options}, params,
                                          stream=stream, tenant=tenant, priority=req.priority)
         except EngineShutdownError as exc:
             stream.abort()
@@ -568,6 +574,50 @@ class OpenAIServing:
         else:
             ids = await self.tokenize_text(req.prompt, req.add_special_tokens, "prompt")
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    # --- /v1/prefix/pin, /v1/prefix/unpin, /v1/prefix/pins ----------------------------------------
+    async def pin_prefix(self, req: PrefixPinRequest, tenant: Optional[str]) -> dict[str, Any]:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must contain at least one message", "messages", "empty_messages")
+            ids = await self.apply_chat_template(req.messages, False, False, None)
+        elif isinstance(req.prompt, str):
+            ids = await self.tokenize_text(req.prompt, req.add_special_tokens, "prompt")
+        else:
+            if any(not 0 <= t < self.vocab_size for t in req.prompt):
+                raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt", "invalid_token_id")
+            ids = list(req.prompt)
+        tenant = tenant if tenant is not None else req.tenant
+
+        def pin(engine: Any) -> dict[str, Any]:
+            return engine.pin_prefix({"prompt_token_ids": ids}, req.ttl, tenant=tenant, cache_salt=req.cache_salt,
+                                     num_tokens=req.num_tokens).as_dict()
+        try:
+            return await self.async_engine.call(pin)
+        except EngineShutdownError as exc:
+            raise APIError(503, str(exc), code="server_shutting_down") from None
+        except ValueError as exc:
+            raise from_value_error(exc, "prompt") from None
+
+    async def unpin_prefix(self, req: PrefixUnpinRequest, tenant: Optional[str]) -> dict[str, Any]:
+        tenant = tenant if tenant is not None else req.tenant
+        try:
+            removed = await self.async_engine.call(lambda engine: engine.unpin_prefix(req.id, tenant=tenant))
+        except EngineShutdownError as exc:
+            raise APIError(503, str(exc), code="server_shutting_down") from None
+        if not removed:
+            raise APIError(404, f"no pin {req.id} of this tenant", param="id", code="pin_not_found")
+        return {"id": req.id, "object": "prefix_pin", "deleted": True}
+
+    async def list_pins(self, tenant: Optional[str]) -> dict[str, Any]:
+        try:
+            pins = await self.async_engine.call(lambda engine: [p.as_dict() for p in engine.prefix.pins(tenant)])
+        except EngineShutdownError as exc:
+            raise APIError(503, str(exc), code="server_shutting_down") from None
+        return {"object": "list", "data": pins}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)

@@ -1,0 +1,192 @@
+"""Decode attention over a quantized paged KV cache on CUDA: kernel time per KV format vs bf16.
+
+Shape: 32k context, batch 32 (the issue's point), R1-Distill-Qwen-7B attention (28 query heads,
+4 KV heads, head_dim 128) and Llama-8B (32 / 8 / 128), bf16 queries, blocks of 16 tokens scattered
+at random. The bf16 row is the full-precision Triton kernel (kernels/triton/decode_attention.py);
+the others are the fused-dequant kernel (kernels/triton/decode_attention_quant.py) over random
+payload bytes and scales of each format. Times are CUDA-graph replay medians
+(triton.testing.do_bench, L2 flushed). Also times the quantize-on-write store kernel for one decode
+step's 32 tokens, and optionally (--e2e) end-to-end decode tok/s through the engine at long
+context with dummy weights.
+
+    python benchmarks/kv_quant_attention_bench.py --json benchmarks/results/kv_quant_attention_h200.json
+    python benchmarks/kv_quant_attention_bench.py --quick           # 8k context, one shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from attention_bench import bench_graphed  # noqa: E402
+
+from kvserve.kvcache.quant import build_kv_cache_spec  # noqa: E402
+
+FORMATS = {
+    "bf16": {"kv_cache_dtype": "bf16"},
+    "int8": {"kv_cache_dtype": "int8"},
+    "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+    "int4-g32": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0, "kv_quant_sinks": 0},
+    "int4-g32-w128-s4": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 128,
+                         "kv_quant_sinks": 4},
+    "int4-g64": {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0},
+    "k-int8/v-fp8": {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
+}
+SHAPES = {"qwen7b": (28, 4, 128), "llama8b": (32, 8, 128)}
+
+
+def random_fill(cache, generator: torch.Generator) -> None:
+    """Random bytes of the format in place (quantizing 2^20 tokens would only slow the setup)."""
+    if isinstance(cache, torch.Tensor):
+        cache.normal_(generator=generator)
+        return
+    payload = cache.payload
+    if cache.fmt.name == "fp8_e4m3":
+        payload.copy_(torch.randn(payload.shape, device=payload.device, generator=generator)
+                      .to(torch.float8_e4m3fn).view(torch.uint8))
+    else:
+        payload.copy_(torch.randint(-127 if payload.dtype == torch.int8 else 0, 128 if payload.dtype == torch.int8
+                                    else 256, payload.shape, device=payload.device, generator=generator,
+                                    dtype=torch.int32).to(payload.dtype))
+    if cache.scales is not None:
+        cache.scales.uniform_(0.005, 0.02, generator=generator)
+    if cache.window is not None:
+        cache.window.normal_(generator=generator)
+
+
+def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, block_size: int) -> dict:
+    from kvserve.kernels.triton import paged_decode_attention, store_kv
+    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+    from kvserve.kernels.triton.kv_store_quant import store_quantized
+    heads, kv_heads, head_dim = SHAPES[shape_name]
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **FORMATS[fmt_name])
+    blocks_per_seq = context_len // block_size
+    num_blocks = batch * blocks_per_seq + 1
+    k_cache, v_cache = spec.allocate(num_blocks, block_size, device, rows=batch)[0]
+    random_fill(k_cache, generator)
+    random_fill(v_cache, generator)
+    tables = torch.randperm(num_blocks - 1, device=device, generator=generator)[:batch * blocks_per_seq]
+    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), context_len, dtype=torch.int32, device=device)
+    rows = torch.arange(batch, device=device)
+    query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device, generator=generator)
+    out = torch.empty_like(query)
+    scale = head_dim ** -0.5
+    quantized = not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor))
+    from kvserve.kernels.triton.decode_attention import decode_num_splits, decode_workspace
+    # The same split count for every format (the bf16 kernel's choice), so only the bytes differ.
+    num_splits = decode_num_splits(query, torch.empty(1, block_size, kv_heads, head_dim, dtype=torch.bfloat16,
+                                                      device=device), tables, context_len)
+    workspace = decode_workspace(batch, heads, head_dim, num_splits, device)
+
+    if quantized:
+        def attend():
+            paged_decode_attention_quant(query, k_cache, v_cache, tables, context_lens, scale,
+                                         rows if spec.needs_rows else None, out=out, num_splits=num_splits,
+                                         workspace=workspace)
+    else:
+        def attend():
+            paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale, out=out,
+                                   num_splits=num_splits, workspace=workspace)
+    attention_ms = bench_graphed(attend)
+
+    new_k = torch.randn(batch, kv_heads, head_dim, dtype=torch.bfloat16, device=device, generator=generator)
+    slots = (tables[:, -1].long() * block_size + block_size - 1)
+    if quantized:
+        def store():
+            for cache in (k_cache, v_cache):
+                if isinstance(cache, torch.Tensor):
+                    store_kv(new_k, new_k, cache, cache, slots)
+                else:
+                    store_quantized(new_k, cache, slots)
+    else:
+        def store():
+            store_kv(new_k, new_k, k_cache, v_cache, slots)
+    store_ms = bench_graphed(store)
+    kv_bytes = batch * context_len * spec.bytes_per_token
+    return {"shape": shape_name, "format": fmt_name, "context_len": context_len, "batch": batch,
+            "num_splits": num_splits, "bytes_per_token_per_layer": spec.bytes_per_token,
+            "attention_ms": round(attention_ms, 4), "store_ms": round(store_ms, 4),
+            "kv_gb_per_s": round(kv_bytes / attention_ms / 1e6, 1)}
+
+
+def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int) -> list[dict]:
+    """Engine decode tok/s with dummy R1-Distill-Qwen-7B weights, per KV format."""
+    from kvserve.bench import bench_kvserve
+    from kvserve.engine.engine import Engine
+    rows = []
+    for fmt_name in formats:
+        engine = Engine.from_options(model=str(ROOT / "benchmarks" / "configs" / "r1-distill-qwen-7b"),
+                                     load_format="dummy", max_num_seqs=batch, max_model_len=input_len + output_len,
+                                     **FORMATS[fmt_name])
+        bench_kvserve(engine, 1, 16, 4, 1, 0)
+        point = bench_kvserve(engine, batch, input_len, output_len, 1, 0)
+        rows.append({"format": fmt_name, "batch": batch, "input_len": input_len, "output_len": output_len,
+                     "output_tokens_per_s": round(point.output_tokens_per_s, 1), "seconds": round(point.seconds, 3),
+                     "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
+                     "kv_bytes_per_token": engine.kv_bytes_per_token})
+        print(rows[-1], flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-len", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--shapes", default="qwen7b,llama8b")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--quick", action="store_true", help="8k context, qwen7b shape only")
+    parser.add_argument("--e2e", action="store_true", help="also engine decode tok/s (dummy 7B weights)")
+    parser.add_argument("--e2e-input-len", type=int, default=16384)
+    parser.add_argument("--e2e-output-len", type=int, default=64)
+    parser.add_argument("--e2e-batch", type=int, default=16)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    if args.quick:
+        args.context_len, args.shapes = 8192, "qwen7b"
+    formats = [f for f in args.formats.split(",") if f]
+    points = []
+    for shape in args.shapes.split(","):
+        for fmt_name in formats:
+            point = one_point(shape, fmt_name, args.context_len, args.batch, args.block_size)
+            points.append(point)
+            torch.cuda.empty_cache()
+    for point in points:
+        base = next(p for p in points if p["shape"] == point["shape"] and p["format"] == "bf16")
+        point["speedup_vs_bf16"] = round(base["attention_ms"] / point["attention_ms"], 3)
+    header = f"{'shape':<9}{'format':<20}{'B/tok/layer':>12}{'attn ms':>10}{'GB/s':>9}{'vs bf16':>9}{'store ms':>10}"
+    print(header)
+    for p in points:
+        print(f"{p['shape']:<9}{p['format']:<20}{p['bytes_per_token_per_layer']:>12}{p['attention_ms']:>10.3f}"
+              f"{p['kv_gb_per_s']:>9.0f}{p['speedup_vs_bf16']:>9.2f}{p['store_ms']:>10.4f}")
+    record = {"command": "python benchmarks/kv_quant_attention_bench.py " + " ".join(argv or sys.argv[1:]),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform(),
+              "points": points}
+    if args.e2e:
+        record["e2e"] = e2e_section(formats, args.e2e_input_len, args.e2e_output_len, args.e2e_batch)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Quantize-on-write store of one part (K or V) of a quantized paged cache.
+
+Reference: `QuantizedKVCache.store` in kvserve.kvcache.quant (payload + fp16 scales; the window
+ring copy is a plain index_copy_ the backend does in torch). One program per token quantizes all
+of its KV heads: dynamic scales are absmax / qmax per group of GROUP head_dim elements, rounded to
+fp16 before use so the reader multiplies by exactly the stored scale. int4 packs element i (low
+nibble) with element i + head_dim/2 (high nibble): the kernel works on the two halves of the head
+separately, so a group must lie inside one half (GROUP divides head_dim/2) or be the whole head.
+A slot of -1 (CUDA-graph padding) writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.triton._common import next_power_of_2
+
+# Format codes shared with decode_attention_quant.
+FORMAT_CODES = {"int8": 1, "fp8_e4m3": 2, "int4": 3}
+# A jitted kernel may read a module global only when it is a constexpr (Triton raises otherwise on CUDA;
+# the interpreter does not check).
+MIN_SCALE = tl.constexpr(2.0 ** -14)
+
+
+@triton.jit
+def _round_half_even(x):
+    """torch.round (half to even) for |x| < 2^22: adding and removing 1.5 * 2^23 leaves no
+    fraction bits, and fp32 addition rounds to nearest even. (Inputs are clamped first.)"""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _encode(scaled, FORMAT: tl.constexpr):
+    if FORMAT == 1:
+        rounded = _round_half_even(tl.minimum(tl.maximum(scaled, -200.0), 200.0))
+        return tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
+    elif FORMAT == 2:
+        clamped = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+        return clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        rounded = _round_half_even(tl.minimum(tl.maximum(scaled, -16.0), 16.0))
+        return (tl.minimum(tl.maximum(rounded, -7.0), 7.0) + 8.0).to(tl.uint8)
+
+
+@triton.jit
+def _group_scales(x, QMAX: tl.constexpr, HEADS_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """x [HEADS_PAD, NUM_GROUPS * GROUP] fp32 -> per-element fp32 scales (fp16-rounded) and the
+    [HEADS_PAD, NUM_GROUPS] fp16 scales to store."""
+    grouped = tl.reshape(tl.abs(x), (HEADS_PAD, NUM_GROUPS, GROUP))
+    scales = tl.maximum(tl.max(grouped, axis=2) / QMAX, MIN_SCALE).to(tl.float16)
+    per_element = tl.reshape(tl.broadcast_to(scales.to(tl.float32)[:, :, None], (HEADS_PAD, NUM_GROUPS, GROUP)),
+                             (HEADS_PAD, NUM_GROUPS * GROUP))
+    return per_element, scales
+
+
+@triton.jit
+def _store_quant_kernel(x_ptr, payload_ptr, scales_ptr, static_ptr, slot_ptr,
+                        x_stride_token, x_stride_head,
+                        payload_stride_slot, payload_stride_head, scales_stride_slot, scales_stride_head,
+                        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                        FORMAT: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    head_mask = heads < NUM_KV_HEADS
+    x_row = x_ptr + token * x_stride_token + heads * x_stride_head
+    if FORMAT == 3:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        dims = tl.arange(0, HALF)[None, :]
+        low = tl.load(x_row + dims, mask=head_mask, other=0.0).to(tl.float32)
+        high = tl.load(x_row + HALF + dims, mask=head_mask, other=0.0).to(tl.float32)
+        if STATIC:
+            low_scale = tl.load(static_ptr + heads * HEAD_DIM + dims, mask=head_mask, other=1.0)
+            high_scale = tl.load(static_ptr + heads * HEAD_DIM + HALF + dims, mask=head_mask, other=1.0)
+        elif GROUP == HEAD_DIM:
+            amax = tl.maximum(tl.max(tl.abs(low), axis=1), tl.max(tl.abs(high), axis=1))
+            scale = tl.maximum(amax / QMAX, MIN_SCALE).to(tl.float16)
+            tl.store(scales_ptr + slot * scales_stride_slot + tl.arange(0, HEADS_PAD) * scales_stride_head,
+                     scale, mask=tl.arange(0, HEADS_PAD) < NUM_KV_HEADS)
+            low_scale = scale.to(tl.float32)[:, None]
+            high_scale = low_scale
+        else:
+            HALF_GROUPS: tl.constexpr = HALF // GROUP
+            low_scale, low_stored = _group_scales(low, QMAX, HEADS_PAD, HALF_GROUPS, GROUP)
+            high_scale, high_stored = _group_scales(high, QMAX, HEADS_PAD, HALF_GROUPS, GROUP)
+            groups = tl.arange(0, HALF_GROUPS)[None, :]
+            scale_row = scales_ptr + slot * scales_stride_slot + heads * scales_stride_head
+            tl.store(scale_row + groups, low_stored, mask=head_mask)
+            tl.store(scale_row + HALF_GROUPS + groups, high_stored, mask=head_mask)
+        low_codes = _encode(low / low_scale, 3)
+        high_codes = _encode(high / high_scale, 3)
+        packed = low_codes | (high_codes << 4)
+        tl.store(payload_ptr + slot * payload_stride_slot + heads * payload_stride_head + dims, packed,
+                 mask=head_mask)
+    else:
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        x = tl.load(x_row + dims, mask=head_mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr + heads * HEAD_DIM + dims, mask=head_mask, other=1.0)
+        else:
+            NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP
+            scale, stored = _group_scales(x, QMAX, HEADS_PAD, NUM_GROUPS, GROUP)
+            groups = tl.arange(0, NUM_GROUPS)[None, :]
+            tl.store(scales_ptr + slot * scales_stride_slot + heads * scales_stride_head + groups, stored,
+                     mask=head_mask)
+        codes = _encode(x / scale, FORMAT)
+        tl.store(payload_ptr + slot * payload_stride_slot + heads * payload_stride_head + dims, codes,
+                 mask=head_mask)
+
+
+def supported(cache) -> bool:
+    """Whether the kernel handles this QuantizedKVCache's layout (power-of-2 head_dim and groups;
+    int4 groups inside one half of the head)."""
+    head_dim, fmt = cache.head_dim, cache.fmt
+    group = fmt.group(head_dim)
+    if head_dim & (head_dim - 1) or group & (group - 1):
+        return False
+    if fmt.name == "int4" and not fmt.static_scales:
+        return group == head_dim or (head_dim // 2) % group == 0
+    return True
+
+
+def store_quantized(x: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
+    """x [T, kv_heads, head_dim] -> payload (+ scales) of `cache` (a QuantizedKVCache) at slots."""
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    fmt, payload, scales = cache.fmt, cache.payload, cache.scales
+    num_kv_heads, head_dim = payload.shape[2], cache.head_dim
+    static = cache.static_scale if cache.static_scale is not None else payload
+    scales_arg = scales if scales is not None else payload
+    _store_quant_kernel[(num_tokens,)](
+        x, payload, scales_arg, static, slot_mapping,
+        x.stride(0), x.stride(1), payload.stride(1), payload.stride(2),
+        scales.stride(1) if scales is not None else 0, scales.stride(2) if scales is not None else 0,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_power_of_2(num_kv_heads),
+        FORMAT=FORMAT_CODES[fmt.name], QMAX=fmt.qmax, GROUP=fmt.group(head_dim), STATIC=fmt.static_scales,
+        num_warps=max(1, min(8, next_power_of_2(num_kv_heads) * head_dim // 256)))

@@ -1,0 +1,348 @@
+"""Prefix caching: full KV blocks addressed by the content of the whole prefix they end.
+
+Block i of a sequence is keyed by hash_i = xxh3_128(hash_{i-1} || token ids of block i); the
+chain starts from a root hash of the sequence's *namespace* (the tenant or its share group, plus
+an optional per-request cache_salt). Two sequences therefore share block i only when they agree
+on every token up to its end and on the namespace.
+
+Collisions are never acted on blindly: a cached block keeps its own token ids, its parent's hash
+and its namespace, and a hit requires all three to equal the request's. What is left unverified
+is the tokens of earlier blocks, which the parent hash stands for: a false hit would need two
+different prefixes with the same 128-bit xxh3 hash (birthday bound n^2 / 2^129: below 1e-26 for
+a billion distinct cached blocks). The namespace is compared as a string, so one tenant can never
+hit another tenant's block, whatever the hashes.
+
+The cache owns the index (hash -> block), each cached block's access history, the evictor and
+the pins. The block pool owns refcounts and asks the cache when a block's last owner leaves
+(`on_release`: it becomes evictable) or a cached block is reused (`on_acquire`), and takes
+victims from `evict()` when it has no empty block left.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import xxhash
+
+from kvserve.kvcache.adaptive import AdaptivePolicy, AdaptiveSnapshot
+from kvserve.kvcache.eviction import AccessStats, EvictionPolicy, Evictor
+
+_ROOT_DOMAIN = b"kvserve.prefix.v1\0"
+
+
+def namespace_root(namespace: str) -> bytes:
+    """The parent hash of a sequence's first block."""
+    return xxhash.xxh3_128_digest(_ROOT_DOMAIN + namespace.encode("utf-8", "surrogatepass"))
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    # Fixed-width (int64) token encoding after a fixed-width (16-byte) parent: unambiguous.
+    return xxhash.xxh3_128_digest(parent_hash + array("q", token_ids).tobytes())
+
+
+def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Hashes of every full block of `token_ids`."""
+    hashes, parent = [], root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def make_namespace(tenant: Optional[str], cache_salt: Optional[str], sharing: str = "tenant",
+                   share_groups: Optional[dict[str, str]] = None) -> str:
+    """The namespace a request's blocks live in. `sharing`: "tenant" (each tenant its own, the
+    default), "global" (everyone shares). Tenants mapped to a share group share the group's."""
+    if sharing == "global":
+        scope = "global"
+    elif tenant is not None and share_groups and tenant in share_groups:
+        scope = "group:" + share_groups[tenant]
+    else:
+        scope = "tenant:" + (tenant or "")
+    return scope if cache_salt is None else scope + "\0salt:" + cache_salt
+
+
+def parse_share_groups(text: Optional[str]) -> dict[str, str]:
+    """'a,b;c,d' -> {a: 'a,b', b: 'a,b', c: 'c,d', d: 'c,d'}: tenants in one group share prefixes."""
+    groups: dict[str, str] = {}
+    for group in (text or "").split(";"):
+        members = sorted({m.strip() for m in group.split(",") if m.strip()})
+        if not members:
+            continue
+        name = ",".join(members)
+        for member in members:
+            if member in groups:
+                raise ValueError(f"tenant {member!r} is in two prefix share groups")
+            groups[member] = name
+    return groups
+
+
+class HashedSequence(Protocol):
+    """What the cache needs of a request (engine.request.Request satisfies it)."""
+    request_id: str
+    block_hashes: list[bytes]        # hashes of its full blocks so far, extended by the manager
+    cache_root: bytes
+    cache_namespace: str
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_ids_between(self, start: int, end: int) -> list[int]: ...
+
+
+@dataclass(slots=True, eq=False)
+class CachedBlock:
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+    namespace: str
+    stats: AccessStats
+
+
+@dataclass
+class Pin:
+    pin_id: int
+    namespace: str
+    block_hashes: tuple[bytes, ...]
+    expires_at: float
+
+
+class PinLimitError(ValueError):
+    """Pinning these blocks would pin more of the cache than allowed."""
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """An immutable copy for /metrics and logs (taken on the engine thread)."""
+    policy: str                          # configured policy name
+    active_policy: str                   # the ranking in force (adaptive: the chosen arm)
+    lookups: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    cached_blocks: int = 0
+    evictable_blocks: int = 0
+    pinned_blocks: int = 0               # cached blocks under an active pin
+    num_pins: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)     # by the policy that chose them
+    adaptive: Optional[AdaptiveSnapshot] = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class PrefixCache:
+    def __init__(self, policy: EvictionPolicy, clock: Callable[[], float] = time.monotonic,
+                 max_pinned_blocks: Optional[int] = None, history_blocks: int = 4096) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.max_pinned_blocks = max_pinned_blocks
+        self._by_hash: dict[bytes, CachedBlock] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        self._evictor = Evictor()
+        # Access histories of recently evicted blocks, restored if the same content comes back:
+        # LRU-K's "retained information" (without it a block evicted after its first use would
+        # restart at one use every time, and a hot prefix could never prove itself hot).
+        self._history: OrderedDict[bytes, AccessStats] = OrderedDict()
+        self.history_blocks = history_blocks
+        self._pins: dict[int, Pin] = {}
+        self._pin_counts: dict[bytes, int] = {}
+        self._pin_expiry: list[tuple[float, int]] = []
+        self._pin_ids = itertools.count(1)
+        self.num_lookups = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.evictions: dict[str, int] = {}
+        if isinstance(policy, AdaptivePolicy):
+            policy.on_switch = self._rekey
+
+    # --- sizes --------------------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_block)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictor)
+
+    def holds(self, block_id: int) -> bool:
+        return block_id in self._by_block
+
+    def cached_block(self, block_id: int) -> Optional[CachedBlock]:
+        return self._by_block.get(block_id)
+
+    # --- index --------------------------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[bytes], block_tokens: Callable[[int], Sequence[int]], root: bytes,
+               namespace: str, max_blocks: int) -> list[int]:
+        """Block ids of the longest verified cached prefix (at most `max_blocks`). No side effects."""
+        blocks: list[int] = []
+        parent = root
+        for index in range(min(max_blocks, len(block_hashes))):
+            cached = self._by_hash.get(block_hashes[index])
+            if (cached is None or cached.parent_hash != parent or cached.namespace != namespace
+                    or cached.token_ids != tuple(block_tokens(index))):
+                break
+            blocks.append(cached.block_id)
+            parent = block_hashes[index]
+        return blocks
+
+    def insert(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int],
+               namespace: str, depth: int) -> bool:
+        """Makes a full, computed block addressable. False when the same content is already cached
+        in another block (computed twice concurrently): this one stays private and is reused as
+        an empty block when freed."""
+        if block_hash in self._by_hash:
+            return False
+        if block_id in self._by_block:
+            raise RuntimeError(f"block {block_id} is cached twice")
+        stats = self._history.pop(block_hash, None) or AccessStats(depth)
+        cached = CachedBlock(block_id, block_hash, parent_hash, tuple(token_ids), namespace, stats)
+        self._by_hash[block_hash] = cached
+        self._by_block[block_id] = cached
+        return True
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_lookups += 1
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def record_use(self, block_ids: Sequence[int], now: Optional[float] = None) -> None:
+        """One request has finished using these blocks (one access each)."""
+        now = self.clock() if now is None else now
+        for block_id in block_ids:
+            cached = self._by_block.get(block_id)
+            if cached is not None:
+                cached.stats.record(now)
+
+    # --- called by the block pool ---------------------------------------------------------------------
+    def on_release(self, block_id: int) -> None:
+        """The block's last owner left: it becomes evictable."""
+        cached = self._by_block[block_id]
+        self._evictor.add(block_id, self.policy.priority(cached.stats), cached.stats.depth,
+                          cached.block_hash in self._pin_counts)
+
+    def on_acquire(self, block_id: int) -> None:
+        """A request takes an evictable cached block back (a hit)."""
+        self._evictor.remove(block_id)
+
+    def evict(self) -> int:
+        """Forgets the policy's victim and returns its block id, now empty."""
+        self._expire_pins()
+        block_id, priority = self._evictor.pop()
+        cached = self._by_block.pop(block_id)
+        del self._by_hash[cached.block_hash]
+        if self.history_blocks > 0:
+            self._history[cached.block_hash] = cached.stats
+            if len(self._history) > self.history_blocks:
+                self._history.popitem(last=False)
+        label = self.policy.label
+        self.policy.on_evict(priority)
+        self.evictions[label] = self.evictions.get(label, 0) + 1
+        return block_id
+
+    # --- the adaptive policy's view of the traffic --------------------------------------------------
+    def observe_lookup(self, block_hashes: list[bytes], now: Optional[float] = None) -> None:
+        self.policy.observe_lookup(block_hashes, self.clock() if now is None else now)
+
+    def observe_release(self, block_hashes: list[bytes], first_depth: int, now: Optional[float] = None) -> None:
+        if block_hashes:
+            self.policy.observe_release(block_hashes, first_depth, self.clock() if now is None else now)
+
+    def _rekey(self) -> None:
+        entries = []
+        for block_id in self._evictor.keys():
+            cached = self._by_block[block_id]
+            entries.append((block_id, self.policy.priority(cached.stats), cached.stats.depth,
+                            self._evictor.is_pinned(block_id)))
+        self._evictor.rebuild(entries)
+
+    # --- pins ----------------------------------------------------------------------------------------
+    def pin(self, block_hashes: Sequence[bytes], namespace: str, ttl_s: float) -> Pin:
+        """Keeps these blocks (cached now or later) in the last eviction tier for ttl_s seconds."""
+        if not ttl_s > 0:
+            raise ValueError(f"a pin needs a positive retention time, got {ttl_s}")
+        self._expire_pins()
+        unique = tuple(dict.fromkeys(block_hashes))
+        new = sum(1 for h in unique if h not in self._pin_counts)
+        if self.max_pinned_blocks is not None and len(self._pin_counts) + new > self.max_pinned_blocks:
+            raise PinLimitError(f"pinning {new} more blocks would exceed the limit of {self.max_pinned_blocks} "
+                                f"pinned blocks ({len(self._pin_counts)} pinned now)")
+        pin = Pin(next(self._pin_ids), namespace, unique, self.clock() + ttl_s)
+        self._pins[pin.pin_id] = pin
+        heapq.heappush(self._pin_expiry, (pin.expires_at, pin.pin_id))
+        for block_hash in unique:
+            count = self._pin_counts.get(block_hash, 0)
+            self._pin_counts[block_hash] = count + 1
+            if count == 0:
+                self._set_tier(block_hash, pinned=True)
+        return pin
+
+    def unpin(self, pin_id: int, namespace: Optional[str] = None) -> bool:
+        """Removes a pin; with `namespace`, only a pin of that namespace (a tenant's own)."""
+        pin = self._pins.get(pin_id)
+        if pin is None or (namespace is not None and pin.namespace != namespace):
+            return False
+        self._drop_pin(pin)
+        return True
+
+    def pins(self, namespace: Optional[str] = None) -> list[Pin]:
+        self._expire_pins()
+        return [p for p in self._pins.values() if namespace is None or p.namespace == namespace]
+
+    def is_pinned(self, block_hash: bytes) -> bool:
+        return block_hash in self._pin_counts
+
+    def num_cached_of(self, block_hashes: Sequence[bytes]) -> int:
+        return sum(1 for h in block_hashes if h in self._by_hash)
+
+    def _drop_pin(self, pin: Pin) -> None:
+        del self._pins[pin.pin_id]
+        for block_hash in pin.block_hashes:
+            count = self._pin_counts[block_hash] - 1
+            if count:
+                self._pin_counts[block_hash] = count
+            else:
+                del self._pin_counts[block_hash]
+                self._set_tier(block_hash, pinned=False)
+
+    def _set_tier(self, block_hash: bytes, pinned: bool) -> None:
+        cached = self._by_hash.get(block_hash)
+        if cached is not None and cached.block_id in self._evictor:
+            self._evictor.add(cached.block_id, self.policy.priority(cached.stats), cached.stats.depth, pinned)
+
+    def _expire_pins(self) -> None:
+        now = self.clock()
+        while self._pin_expiry and self._pin_expiry[0][0] <= now:
+            _, pin_id = heapq.heappop(self._pin_expiry)
+            pin = self._pins.get(pin_id)
+            if pin is not None:
+                self._drop_pin(pin)
+
+    # --- reporting ----------------------------------------------------------------------------------
+    def stats(self, policy_name: str) -> PrefixCacheStats:
+        self._expire_pins()
+        pinned = sum(1 for h in self._pin_counts if h in self._by_hash)
+        adaptive = self.policy.snapshot() if isinstance(self.policy, AdaptivePolicy) else None
+        return PrefixCacheStats(policy_name, self.policy.label, self.num_lookups, self.num_query_tokens,
+                                self.num_hit_tokens, self.num_cached_blocks, self.num_evictable, pinned,
+                                len(self._pins), dict(self.evictions), adaptive)
+
+
+def build_prefix_cache(cache_config, num_blocks: int,
+                       clock: Callable[[], float] = time.monotonic) -> Optional[PrefixCache]:
+    """The engine's prefix cache from CacheConfig fields (None when prefix caching is off)."""
+    from kvserve.kvcache.eviction import make_policy
+    parse_share_groups(cache_config.prefix_share_groups)   # a bad spec is an error at start-up
+    if not cache_config.enable_prefix_caching:
+        return None
+    policy = make_policy(cache_config.eviction_policy, lru_k=cache_config.lru_k,
+                         half_life_s=cache_config.heat_half_life_s, num_blocks=num_blocks)
+    return PrefixCache(policy, clock, max_pinned_blocks=int(num_blocks * cache_config.max_pinned_fraction),
+                       history_blocks=2 * num_blocks)

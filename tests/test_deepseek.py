@@ -1,0 +1,306 @@
+"""DeepSeek-V2/V3 (MLA + MoE) against transformers on the same tiny random weights, and the
+latent cache, routing, grouped experts and expert-load statistics on their own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE
+from deepseek_fixtures import build_tiny_deepseek, tiny_deepseek_config
+from kvserve import LLM, SamplingParams
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+
+PROMPTS = [
+    [1, 17, 42, 99, 3, 250, 7],
+    [1, 5],
+    [1] + list(range(30, 90)),          # longer than several blocks
+    [1, 200, 201, 202, 203, 204, 205, 206, 207, 208, 209, 210, 211],
+]
+MAX_NEW = 12
+# fp32 on both sides: differences are GEMM summation order and the order experts are added in.
+LOGITS_ATOL, LOGITS_RTOL = 1e-4, 1e-4
+
+
+def _options(**overrides):
+    options = dict(dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20, block_size=16)
+    options.update(overrides)
+    return options
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    model = build_tiny_deepseek(request.param, folder, TEST_DEVICE)
+    return str(folder), model
+
+
+@pytest.fixture(scope="module")
+def engine_llm(checkpoint):
+    folder, hf_model = checkpoint
+    return LLM(folder, **_options()), hf_model
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt], device=TEST_DEVICE)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         min_new_tokens=max_new, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
+    runner = llm.engine.runner
+    n = len(prompt)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=TEST_DEVICE))
+    meta.prefills.append(PrefillChunk(0, n, n, None))
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(prompt, device=TEST_DEVICE), torch.arange(n, device=TEST_DEVICE),
+                              runner.kv_caches, meta, runner.backend)
+        return runner.model.compute_logits(hidden)
+
+
+def test_logits_match_transformers(engine_llm):
+    llm, hf_model = engine_llm
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float()
+    torch.testing.assert_close(_prefill_logits(llm, prompt), expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+
+
+def test_decode_logprobs_match_transformers(engine_llm):
+    """Absorbed decode over the paged latent cache vs transformers' expanded attention: the
+    logprob of every generated token, step by step."""
+    llm, hf_model = engine_llm
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    sequence = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([sequence], device=TEST_DEVICE)).logits[0].float(), -1)
+    for step, token in enumerate(out.token_ids):
+        expected = ref[len(prompt) - 1 + step, token].item()
+        assert out.logprobs[step][token] == pytest.approx(expected, abs=1e-4)
+
+
+def test_greedy_matches_transformers(engine_llm):
+    llm, hf_model = engine_llm
+    expected = [_hf_greedy(hf_model, p, MAX_NEW) for p in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+@pytest.fixture(scope="module")
+def alone(engine_llm):
+    """Each prompt's greedy tokens when it runs alone (the invariance tests' reference)."""
+    llm, _ = engine_llm
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(max_num_batched_tokens=5),                       # chunked prefill: chunks over a cached latent prefix
+    dict(kv_cache_memory=None, block_size=4),             # tiny pool: forces preemption (set below)
+    dict(max_num_seqs=1),                                 # one at a time
+    dict(enforce_eager=True, attention_backend="torch"),  # on CUDA: reference vs triton + CUDA graphs
+], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference"])
+def test_batch_invariance(checkpoint, engine_llm, alone, overrides):
+    folder, _ = checkpoint
+    reference_llm, _ = engine_llm
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    options = _options(**overrides)
+    if "block_size" in overrides:
+        per_token = reference_llm.engine.kv_bytes_per_token
+        options["kv_cache_memory"] = per_token * (len(PROMPTS[2]) + MAX_NEW + 8)
+    llm = LLM(folder, **options)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == alone
+    engine = llm.engine
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    if "block_size" in overrides:
+        assert engine.scheduler.num_preemptions_total > 0
+
+
+def test_latent_cache_layout_and_bytes(engine_llm):
+    """One latent + RoPE key per token and layer; no per-head K/V anywhere in the pool."""
+    llm, hf_model = engine_llm
+    cfg = hf_model.config
+    engine = llm.engine
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert engine.kv_bytes_per_token == cfg.num_hidden_layers * width * 4
+    latent, rope = engine.runner.kv_caches[0]
+    assert latent.shape[1:] == (16, 1, cfg.kv_lora_rank) and rope.shape[1:] == (16, 1, cfg.qk_rope_head_dim)
+    assert len(engine.runner.kv_caches) == cfg.num_hidden_layers
+    from kvserve.model.mla_cache import mha_equivalent_bytes_per_token
+    sizes = mha_equivalent_bytes_per_token(cfg, dtype_bytes=4)
+    assert sizes["mla"] == engine.kv_bytes_per_token
+    assert sizes["mha"] == cfg.num_hidden_layers * cfg.num_attention_heads * (16 + 8 + 16) * 4
+
+
+def test_v2_lite_config_kv_bytes():
+    """The benchmark's DeepSeek-V2-Lite shape: 27 layers x (512 + 64) x 2 bytes = 31,104 bytes per
+    token in bf16, against 276,480 for the same model with an expanded per-head K/V cache."""
+    import transformers
+
+    from kvserve.model.mla_cache import build_mla_kv_cache_spec, mha_equivalent_bytes_per_token
+    cfg = transformers.AutoConfig.from_pretrained("benchmarks/configs/deepseek-v2-lite")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.kv_lora_rank) == (2048, 27, 16, 512)
+    assert cfg.q_lora_rank is None and cfg.n_routed_experts == 64 and cfg.num_experts_per_tok == 6
+    spec = build_mla_kv_cache_spec(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.bfloat16)
+    sizes = mha_equivalent_bytes_per_token(cfg)
+    assert spec.bytes_per_token == sizes["mla"] == 31104
+    assert sizes["mha"] == 276480
+    fp8 = build_mla_kv_cache_spec(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.bfloat16,
+                                  kv_cache_dtype="fp8_e4m3")
+    # fp8 latent (512 B + one fp16 scale) + bf16 RoPE key (128 B) per layer.
+    assert fp8.bytes_per_token == 27 * (512 + 2 + 128)
+
+
+def test_fp8_latent_cache_stays_close(checkpoint, engine_llm):
+    """KV formats apply to the latent: an fp8 latent with a full-precision RoPE key changes decode
+    logprobs only slightly."""
+    folder, _ = checkpoint
+    reference_llm, _ = engine_llm
+    llm = LLM(folder, **_options(kv_cache_dtype="fp8_e4m3"))
+    assert "fp8_e4m3/auto" in llm.engine.kv_spec.describe()
+    assert llm.engine.kv_bytes_per_token < reference_llm.engine.kv_bytes_per_token
+    latent, rope = llm.engine.runner.kv_caches[0]
+    assert not isinstance(latent, torch.Tensor) and isinstance(rope, torch.Tensor)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    ref = reference_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == ref.token_ids[0]
+    first = ref.token_ids[0]
+    assert abs(out.logprobs[0][first] - ref.logprobs[0][first]) < 0.1
+
+
+def test_v3_half_split_rope_checkpoint(tmp_path):
+    """rope_interleave=false checkpoints are used as stored (no de-interleaving)."""
+    cfg = tiny_deepseek_config("deepseek_v3")
+    cfg.rope_interleave = False
+    hf_model = build_tiny_deepseek("deepseek_v3", tmp_path, TEST_DEVICE, config=cfg)
+    llm = LLM(str(tmp_path), **_options())
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([PROMPTS[3]], device=TEST_DEVICE)).logits[0].float()
+    torch.testing.assert_close(_prefill_logits(llm, PROMPTS[3]), expected, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+
+
+# --- MoE ---------------------------------------------------------------------------------------------
+def test_grouped_experts_match_the_loop(engine_llm):
+    """The grouped-GEMM path (one call for all experts) computes what the per-expert loop does."""
+    llm, _ = engine_llm
+    moe = llm.engine.model.layers[1].mlp
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    hidden = torch.randn(37, moe.w13.shape[2], generator=generator).to(moe.w13.device)
+    from kvserve.model.moe import route
+    weights, ids = route(torch.nn.functional.linear(hidden.float(), moe.gate_weight), moe.routing,
+                         moe.e_score_correction_bias)
+    loop = moe._loop(hidden, weights, ids)
+    grouped = moe._grouped(hidden, weights, ids)
+    torch.testing.assert_close(grouped, loop, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_implementation_option_gives_same_tokens(checkpoint, engine_llm):
+    folder, _ = checkpoint
+    reference_llm, _ = engine_llm
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = [o.outputs[0].token_ids for o in reference_llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(folder, **_options(moe_implementation="grouped"))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_routing_matches_transformers_router(engine_llm):
+    llm, hf_model = engine_llm
+    ours = llm.engine.model.layers[2].mlp
+    theirs = hf_model.model.layers[2].mlp.gate
+    hidden = torch.randn(50, ours.w13.shape[2], device=TEST_DEVICE)
+    from kvserve.model.moe import route
+    weights, ids = route(torch.nn.functional.linear(hidden.float(), ours.gate_weight), ours.routing,
+                         ours.e_score_correction_bias)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = theirs(hidden)
+    order, hf_order = ids.sort(dim=-1), hf_ids.sort(dim=-1)
+    assert torch.equal(order.values, hf_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), hf_weights.gather(1, hf_order.indices))
+
+
+def test_expert_load_statistics(checkpoint):
+    folder, hf_model = checkpoint
+    llm = LLM(folder, **_options())
+    engine = llm.engine
+    engine.reset_expert_load()
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    stats = engine.expert_load()
+    cfg = hf_model.config
+    assert stats.layers == tuple(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    # Every token that ran through the model (prompt + generated, minus the last sampled one)
+    # picked top_k experts in every MoE layer.
+    tokens = sum(len(p) for p in PROMPTS) + len(PROMPTS) * (5 - 1)
+    for counts in stats.tokens_per_expert:
+        assert len(counts) == cfg.n_routed_experts and sum(counts) == tokens * cfg.num_experts_per_tok
+    assert all(value >= 1.0 for value in stats.imbalance())
+    json.dumps(stats.as_dict())
+    engine.reset_expert_load()
+    assert all(sum(c) == 0 for c in engine.expert_load().tokens_per_expert)
+
+
+def test_llama_has_no_expert_statistics(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    llm = LLM(folder, **_options())
+    assert llm.engine.expert_load() is None
+
+
+def test_bf16_logits_close_to_fp32_transformers(checkpoint):
+    folder, hf_model = checkpoint
+    llm = LLM(folder, **_options(dtype="bfloat16"))
+    prompt = PROMPTS[2]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float(), -1)
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt))])
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], device=TEST_DEVICE)].cpu()
+    # bf16 rounding of the hidden state can flip an expert choice that sits near a tie (the router
+    # itself runs in fp32), which moves that position's logprob further; the rest stay close.
+    diff = (ours - expected).abs()
+    assert diff.median().item() < 0.05
+    assert (diff > 0.25).float().mean().item() < 0.1
+
+
+
+def test_expert_load_in_metrics_and_bench(checkpoint):
+    """/metrics exposes tokens per expert and per-layer imbalance; `kvserve bench` records them."""
+    from kvserve.bench import bench_kvserve
+    from kvserve.engine.async_engine import EngineSnapshot
+    from kvserve.obs.metrics import MOE_METRIC_NAMES, ServerMetrics
+    folder, hf_model = checkpoint
+    llm = LLM(folder, **_options())
+    point = bench_kvserve(llm.engine, batch_size=2, input_len=8, output_len=3, repeats=1, seed=0)
+    load = point.extra["expert_load"]
+    cfg = hf_model.config
+    assert len(load["tokens_per_expert"]) == cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert sum(load["tokens_per_expert"][0]) == 2 * (8 + 3 - 1) * cfg.num_experts_per_tok
+    metrics = ServerMetrics(lambda: EngineSnapshot(), "tiny", expert_load=llm.engine.expert_load)
+    text = metrics.render().decode()
+    for name in MOE_METRIC_NAMES:
+        assert name in text
+    assert 'kvserve:moe_expert_tokens_total{expert="0",layer="1",model_name="tiny"}' in text
+
+
+def test_dense_experts_match_the_loop(engine_llm):
+    """The capturable fallback (every expert on every token, routing-weighted) equals the loop."""
+    llm, _ = engine_llm
+    moe = llm.engine.model.layers[2].mlp
+    hidden = torch.randn(9, moe.w13.shape[2], device=moe.w13.device)
+    from kvserve.model.moe import route
+    weights, ids = route(torch.nn.functional.linear(hidden.float(), moe.gate_weight), moe.routing,
+                         moe.e_score_correction_bias)
+    torch.testing.assert_close(moe._dense(hidden, weights, ids), moe._loop(hidden, weights, ids),
+                               atol=1e-5, rtol=1e-5)

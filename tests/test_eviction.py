@@ -1,0 +1,273 @@
+"""Eviction order of each policy on hand-built access sequences; pins; the adaptive policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvserve.kvcache.adaptive import AdaptivePolicy, ShadowCache
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.eviction import (AccessStats, Evictor, LFUAgePolicy, LRUKPolicy, LRUPolicy, make_policy)
+from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.prefix_cache import PinLimitError, PrefixCache, hash_block, namespace_root
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Harness:
+    """A pool whose blocks are named; `use(name, t)` = one request using that block at time t."""
+
+    def __init__(self, policy, num_blocks: int = 16, max_pinned_blocks=None) -> None:
+        self.clock = Clock()
+        self.cache = PrefixCache(policy, self.clock, max_pinned_blocks)
+        self.pool = BlockPool(num_blocks, self.cache)
+        self.blocks: dict[str, int] = {}
+        self.names: dict[int, str] = {}
+
+    @staticmethod
+    def hash_of(name: str) -> bytes:
+        return hash_block(namespace_root(""), [ord(c) for c in name])
+
+    def use(self, name: str, t: float, depth: int = 0) -> None:
+        self.clock.now = t
+        block = self.blocks.get(name)
+        if block is None:
+            [block] = self.pool.allocate(1)
+            assert self.cache.insert(block, self.hash_of(name), namespace_root(""), [ord(c) for c in name], "", depth)
+            self.blocks[name], self.names[block] = block, name
+        else:
+            self.pool.acquire_cached(block)
+        self.cache.record_use([block], t)
+        self.pool.free([block])
+
+    def eviction_order(self) -> list[str]:
+        order = []
+        while self.cache.num_evictable:
+            block = self.cache.evict()
+            order.append(self.names.pop(block))
+            self.pool._empty.append(block)   # what allocate() would do with it
+        return order
+
+
+def test_lru_evicts_least_recently_used_and_deeper_first_on_ties():
+    h = Harness(LRUPolicy())
+    for name, t in [("a", 1), ("b", 2), ("c", 3), ("a", 4)]:
+        h.use(name, t)
+    assert h.eviction_order() == ["b", "c", "a"]
+    h = Harness(LRUPolicy())
+    # One request's chain, released at one instant: the tail goes before its parents.
+    for depth, name in enumerate(["root", "mid", "tail"]):
+        h.use(name, 1.0, depth)
+    assert h.eviction_order() == ["tail", "mid", "root"]
+
+
+def test_lru_k_ranks_twice_used_above_once_used_until_heat_decays():
+    policy = LRUKPolicy(k=2, half_life_s=10.0)
+    h = Harness(policy)
+    h.use("hot", 0.0)
+    h.use("hot", 1.0)
+    h.use("once", 5.0)          # more recent, but used once: scan resistance
+    h.use("later-once", 30.0)   # 3 half-lives after "hot": hot's heat 2^-2.9 + 2^-3 < 1
+    assert h.eviction_order() == ["once", "hot", "later-once"]
+    # The priority is log2 of the undecayed heat of the last K accesses.
+    stats = AccessStats(0)
+    for t in (0.0, 1.0):
+        stats.record(t)
+    assert policy.priority(stats) == pytest.approx(math.log2(2 ** 0.0 + 2 ** 0.1))
+
+
+def test_lru_k_counts_only_the_last_k_accesses():
+    h = Harness(LRUKPolicy(k=2, half_life_s=10.0))
+    for t in range(5):
+        h.use("old-favourite", float(t))      # five uses, the last two at t=3, 4
+    h.use("new", 4.5)
+    h.use("new", 5.0)
+    assert h.eviction_order() == ["old-favourite", "new"]
+    h = Harness(LFUAgePolicy())
+    for t in range(5):
+        h.use("old-favourite", float(t))
+    h.use("new", 4.5)
+    h.use("new", 5.0)
+    assert h.eviction_order() == ["new", "old-favourite"]   # frequency wins under LFU
+
+
+def test_lfu_age_orders_by_uses_and_ages_out_old_popularity():
+    policy = LFUAgePolicy()
+    h = Harness(policy)
+    for name, uses in [("a", 3), ("b", 1), ("c", 2)]:
+        for i in range(uses):
+            h.use(name, float(i))
+    assert h.eviction_order() == ["b", "c", "a"]
+    assert policy.age == 3.0
+
+    policy = LFUAgePolicy()
+    h = Harness(policy)
+    for i in range(3):
+        h.use("a", float(i))                       # priority 0 + 3
+    h.use("f1", 3.0)                                # 1
+    h.use("f2", 3.0)
+    h.use("f2", 4.0)                                # 2
+    order = [h.names[h.cache.evict()] for _ in range(2)]
+    assert order == ["f1", "f2"] and policy.age == 2.0
+    h.use("d", 5.0)
+    h.use("d", 6.0)                                 # age 2 + 2 uses = 4 > 3: a, once popular, goes first
+    assert h.eviction_order() == ["a", "d"]
+
+
+def test_pinned_blocks_are_evicted_last_until_the_pin_expires():
+    h = Harness(LRUPolicy())
+    h.use("system", 1.0)
+    h.use("other", 2.0)
+    pin = h.cache.pin([h.hash_of("system")], "", ttl_s=10.0)
+    h.use("newer", 3.0)
+    h.clock.now = 5.0
+    assert h.eviction_order() == ["other", "newer", "system"]
+
+    h = Harness(LRUPolicy())
+    h.cache.pin([h.hash_of("system")], "", ttl_s=10.0)   # pinned before it is ever computed
+    h.use("system", 1.0)
+    h.use("other", 2.0)
+    h.clock.now = 11.0                                   # expired: plain LRU again
+    assert h.eviction_order() == ["system", "other"]
+    assert pin.pin_id == 1 and h.cache.pins() == []
+
+    h = Harness(LRUPolicy(), max_pinned_blocks=1)
+    h.use("a", 1.0)
+    h.use("b", 2.0)
+    first = h.cache.pin([h.hash_of("a")], "t1", 100.0)
+    with pytest.raises(PinLimitError):
+        h.cache.pin([h.hash_of("b")], "t1", 100.0)
+    assert not h.cache.unpin(first.pin_id, namespace="t2")   # not that tenant's pin
+    assert h.cache.unpin(first.pin_id, namespace="t1")
+    assert h.eviction_order() == ["a", "b"]
+
+
+def test_evictor_skips_stale_entries_and_rebuilds():
+    evictor = Evictor()
+    for key, priority in [("x", 3.0), ("y", 1.0), ("z", 2.0)]:
+        evictor.add(key, priority, 0)
+    evictor.add("y", 5.0, 0)         # re-ranked
+    assert evictor.remove("z") and not evictor.remove("z")
+    assert evictor.pop() == ("x", 3.0)
+    evictor.rebuild([("p", 2.0, 0, True), ("q", 9.0, 0, False)])
+    assert len(evictor) == 2 and evictor.num_pinned == 1
+    assert [evictor.pop()[0] for _ in range(2)] == ["q", "p"]
+    with pytest.raises(IndexError):
+        evictor.pop()
+
+
+def test_make_policy_names():
+    assert make_policy("lru").label == "lru"
+    assert make_policy("lru-k", lru_k=3, half_life_s=60).label == "lru-k(k=3,h=60s)"
+    assert make_policy("lfu-age").label == "lfu-age"
+    assert isinstance(make_policy("adaptive", num_blocks=64), AdaptivePolicy)
+    with pytest.raises(ValueError):
+        make_policy("fifo")
+    with pytest.raises(ValueError):
+        LRUKPolicy(k=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# adaptive
+# --------------------------------------------------------------------------------------------------
+
+class _Seq:
+    def __init__(self, request_id: str, tokens: list[int]) -> None:
+        self.request_id, self.tokens = request_id, tokens
+        self.block_hashes: list[bytes] = []
+        self.cache_namespace = ""
+        self.cache_root = namespace_root("")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+def replay(policy, prompts: list[list[int]], num_blocks: int, block_size: int = 4) -> tuple[float, PrefixCache]:
+    """Requests one at a time through the KV manager, one simulated second apart; token hit rate."""
+    clock = Clock()
+    cache = PrefixCache(policy, clock)
+    manager = KVCacheManager(num_blocks, block_size, cache)
+    hit = query = 0
+    for index, prompt in enumerate(prompts):
+        clock.now = float(index)
+        seq = _Seq(str(index), list(prompt))
+        prefix = manager.find_cached_prefix(seq)
+        assert manager.allocate_slots(seq.request_id, len(prompt), prefix, seq)
+        manager.cache_full_blocks(seq.request_id, len(prompt))
+        manager.free(seq.request_id)
+        hit, query = hit + prefix.num_tokens, query + len(prompt)
+    assert manager.num_free_blocks == num_blocks
+    return hit / query, cache
+
+
+def _hot_set_with_scans(rounds: int = 80) -> list[list[int]]:
+    """Two hot 3-block prompts, each reused every 6 requests, between one-off 8-block scans that
+    push them out of an LRU cache of 20 blocks."""
+    hot = [[1000 + 100 * i + j for j in range(13)] for i in range(2)]
+    prompts, fresh = [], 10_000
+    for r in range(rounds):
+        prompts.append(hot[r % 2])
+        for _ in range(2):
+            prompts.append(list(range(fresh, fresh + 33)))
+            fresh += 33
+    return prompts
+
+
+def test_adaptive_switches_to_the_arm_its_shadows_score_best():
+    prompts = _hot_set_with_scans()
+    lru_rate, _ = replay(LRUPolicy(), prompts, 20)
+    lruk_rate, _ = replay(LRUKPolicy(2, 1000.0), prompts, 20)
+    assert lruk_rate > lru_rate + 0.05         # the trace separates the arms
+    policy = AdaptivePolicy([LRUPolicy(), LRUKPolicy(2, 1000.0)], 20, epoch_lookups=8)
+    rate, cache = replay(policy, prompts, 20)
+    snap = policy.snapshot()
+    assert snap.num_switches >= 1 and snap.active == "lru-k(k=2,h=1000s)"
+    assert snap.shadow_hit_rates["lru-k(k=2,h=1000s)"] > snap.shadow_hit_rates["lru"]
+    assert "lru -> lru-k(k=2,h=1000s)" in snap.recent_decisions[0]
+    assert rate >= lruk_rate - 0.05            # learning costs a few early misses, no more
+    stats = cache.stats("adaptive")
+    assert stats.active_policy == "lru-k(k=2,h=1000s)" and stats.adaptive.num_switches == snap.num_switches
+    assert set(stats.evictions) <= {"lru", "lru-k(k=2,h=1000s)"}
+
+
+def test_adaptive_stays_put_when_the_active_arm_is_best():
+    # Pure recency: a cyclic working set that fits; LRU is optimal and no arm beats it.
+    prompts = [[100 * (i % 4) + j for j in range(9)] for i in range(80)]
+    policy = AdaptivePolicy([LRUPolicy(), LFUAgePolicy()], 12, epoch_lookups=8)
+    rate, _ = replay(policy, prompts, 12)
+    assert policy.num_switches == 0 and rate == replay(LRUPolicy(), prompts, 12)[0]
+
+
+def test_shadow_cache_sampling_keeps_cost_bounded():
+    policy = AdaptivePolicy([LRUPolicy()], num_blocks=1_000_000, max_shadow_blocks=1000)
+    assert policy.sample_rate == pytest.approx(0.001)
+    assert policy.arms[0].shadow.capacity == 1000
+    shadow = ShadowCache(LRUPolicy(), 2)
+    shadow.use([b"a", b"b", b"c"], [0, 1, 2], 1.0)
+    assert len(shadow) == 2 and b"a" in shadow and b"c" not in shadow   # deeper-first on the tie
+    assert shadow.prefix_hits([b"a", b"b", b"x"]) == 2
+
+
+def test_belady_bounds_every_policy_on_the_benchmark_traces():
+    """The benchmark's offline optimum really is an upper bound under the same accounting."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import prefix_bench
+    for make_trace in prefix_bench.TRACES.values():
+        trace = make_trace(1, 100)
+        capacity = 1 + max(-(-(len(r.prompt) + len(r.output)) // prefix_bench.BLOCK_SIZE) for r in trace)
+        best = prefix_bench.simulate_belady(trace, capacity)
+        for policy in prefix_bench.POLICIES:
+            assert prefix_bench.simulate_policy(trace, capacity, policy)["hit_rate"] <= best + 1e-9, policy
