@@ -45,11 +45,14 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repeats: int, seed: int) -> BenchPoint:
-    prompts = random_prompts(batch_size, input_len, engine.model.config.vocab_size, seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
     times, peak_usage, steps = [], 0.0, 0
     engine.reset_expert_load()     # MoE models: tokens per expert over this point's runs
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        # Fresh prompts for every point and repeat: a prefix-cache hit on an earlier run's prompt would
+        # skip prefill work the baseline does.
+        prompts = random_prompts(batch_size, input_len, engine.model.config.vocab_size,
+                                 seed + 1_000_003 * (repeat + 1) + batch_size)
         ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
         _sync(engine.device)
         started = time.perf_counter()
