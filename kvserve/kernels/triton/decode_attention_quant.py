@@ -28,23 +28,50 @@ from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
 
 @triton.jit
+def _tile_scales(scales_ptr, scale_rows, valid, TILE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """The [TILE, NUM_GROUPS * GROUP] per-element scales of a tile, from one load of its
+    [TILE, NUM_GROUPS] fp16 group scales (not one gather per element)."""
+    if NUM_GROUPS == 1:
+        scale = tl.load(scales_ptr + scale_rows, mask=valid, other=0.0).to(tl.float32)
+        return tl.broadcast_to(scale[:, None], (TILE, GROUP))
+    groups = tl.arange(0, NUM_GROUPS)
+    scale = tl.load(scales_ptr + scale_rows[:, None] + groups[None, :], mask=valid[:, None], other=0.0)
+    return tl.reshape(tl.broadcast_to(scale.to(tl.float32)[:, :, None], (TILE, NUM_GROUPS, GROUP)),
+                      (TILE, NUM_GROUPS * GROUP))
+
+
+@triton.jit
 def _load_part(ptr, scales_ptr, static_ptr, ring_ptr, blocks, offsets, positions, valid, dims, dim_mask,
                kv_head, seq_row, context_len,
                stride_block, stride_token, stride_head,
                scales_stride_block, scales_stride_token, scales_stride_head,
                ring_stride_token, ring_stride_head,
                FORMAT: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr, HEAD_DIM: tl.constexpr,
-               SINKS: tl.constexpr, WINDOW: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """A [TILE, DIM_PAD] tile of K or V in OUT_DTYPE for `positions` of one sequence and KV head."""
+               SINKS: tl.constexpr, WINDOW: tl.constexpr, OUT_DTYPE: tl.constexpr, TILE: tl.constexpr,
+               DIM_PAD: tl.constexpr):
+    """A [TILE, DIM_PAD] tile of K or V in OUT_DTYPE for `positions` of one sequence and KV head.
+
+    head_dim a power of 2 (DIM_PAD == HEAD_DIM) takes the fast path: scales loaded once per token
+    and group, int4 bytes loaded once and their two nibbles joined into [low half | high half]."""
     mask = valid[:, None] & dim_mask[None, :]
     rows = blocks * stride_block + offsets * stride_token + kv_head * stride_head
     if FORMAT == 0:
         return tl.load(ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(OUT_DTYPE)
+    FAST: tl.constexpr = DIM_PAD == HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
     if FORMAT == 3:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        byte = tl.load(ptr + rows[:, None] + (dims % HALF)[None, :], mask=mask, other=0x88)
-        shift = tl.where(dims >= HALF, 4, 0).to(tl.uint8)
-        codes = ((byte >> shift[None, :]) & 0xF).to(tl.float32) - 8.0
+        if FAST:
+            halves = tl.arange(0, HALF)
+            byte = tl.load(ptr + rows[:, None] + halves[None, :], mask=valid[:, None], other=0x88)
+            low = (byte & 0xF).to(tl.float32) - 8.0
+            high = (byte >> 4).to(tl.float32) - 8.0
+            # join -> [TILE, HALF, 2]; permute -> [TILE, 2, HALF]; reshape -> [low | high].
+            codes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (TILE, HEAD_DIM))
+        else:
+            byte = tl.load(ptr + rows[:, None] + (dims % HALF)[None, :], mask=mask, other=0x88)
+            shift = tl.where(dims >= HALF, 4, 0).to(tl.uint8)
+            codes = ((byte >> shift[None, :]) & 0xF).to(tl.float32) - 8.0
     elif FORMAT == 2:
         byte = tl.load(ptr + rows[:, None] + dims[None, :], mask=mask, other=0)
         codes = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -54,8 +81,11 @@ def _load_part(ptr, scales_ptr, static_ptr, ring_ptr, blocks, offsets, positions
         scale = tl.load(static_ptr + kv_head * HEAD_DIM + dims, mask=dim_mask, other=1.0)[None, :]
     else:
         scale_rows = blocks * scales_stride_block + offsets * scales_stride_token + kv_head * scales_stride_head
-        scale = tl.load(scales_ptr + scale_rows[:, None] + (dims // GROUP)[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+        if FAST:
+            scale = _tile_scales(scales_ptr, scale_rows, valid, TILE, HEAD_DIM // GROUP, GROUP)
+        else:
+            scale = tl.load(scales_ptr + scale_rows[:, None] + (dims // GROUP)[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
     values = (codes * scale).to(OUT_DTYPE)
     if SINKS + WINDOW > 0:
         in_ring = positions < SINKS
@@ -132,12 +162,12 @@ def _decode_split_quant_kernel(
                           dim_mask, kv_head, seq_row, context_len, k_stride_block, k_stride_token, k_stride_head,
                           ks_stride_block, ks_stride_token, ks_stride_head, ring_stride_token, ring_stride_head,
                           K_FORMAT, K_GROUP, K_STATIC, HEAD_DIM, SINKS if K_RING else 0, WINDOW if K_RING else 0,
-                          query.dtype)
+                          query.dtype, TILE, DIM_PAD)
         values = _load_part(v_ptr, v_scales_ptr, v_static_ptr, v_ring_ptr, blocks, offsets, positions, valid, dims,
                             dim_mask, kv_head, seq_row, context_len, v_stride_block, v_stride_token, v_stride_head,
                             vs_stride_block, vs_stride_token, vs_stride_head, ring_stride_token, ring_stride_head,
                             V_FORMAT, V_GROUP, V_STATIC, HEAD_DIM, SINKS if V_RING else 0, WINDOW if V_RING else 0,
-                            value_dtype)
+                            value_dtype, TILE, DIM_PAD)
         if USE_DOT:
             if DOT_UPCAST:
                 scores = tl.dot(query, tl.trans(keys.to(tl.float32)))
