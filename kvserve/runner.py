@@ -99,11 +99,8 @@ class ModelRunner:
             for row, item in enumerate(decodes):
                 table = block_tables[item.request.request_id][:max_blocks]
                 tables[row, :len(table)] = table
-            pos = np.arange(max_blocks * self.block_size)
             meta.decode_block_tables = self._to_device(tables)
             meta.decode_context_lens = self._to_device(context_lens.astype(np.int32))
-            if self.backend.name == "torch":   # only the reference reads the mask; kernels use lengths
-                meta.decode_context_mask = self._to_device(pos[None, :] < context_lens[:, None])
         offset = len(decodes)
         for item in prefills:
             start = item.request.num_computed_tokens

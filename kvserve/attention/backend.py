@@ -12,6 +12,7 @@ import torch
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import quant_reference, reference
+from kvserve.kernels.triton import references
 
 
 class TorchAttentionBackend:
@@ -31,9 +32,13 @@ class TorchAttentionBackend:
             output[:num_decodes] = cpu_kernels.paged_decode_attention(
                 query[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
         elif num_decodes:
+            # Only this path reads a mask; derived here from the lengths every backend gets.
+            mask = meta.decode_context_mask
+            if mask is None:
+                mask = references.decode_context_mask(meta.decode_context_lens,
+                                                      meta.decode_block_tables.shape[1] * k_cache.shape[1])
             output[:num_decodes] = reference.paged_decode_attention(
-                query[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
-                meta.decode_context_mask, scale)
+                query[:num_decodes], k_cache, v_cache, meta.decode_block_tables, mask, scale)
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.context_slots is None:
