@@ -33,8 +33,9 @@ class ModelConfig:
                                               "clipped to what the KV cache holds)")
     seed: int = _opt(0, "seed for dummy weights and for requests sampled without their own seed")
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
-    attention_backend: str = _opt("auto", "auto (triton on CUDA when importable, else torch), triton or torch",
-                                  choices=("auto", "triton", "torch"))
+    attention_backend: str = _opt("auto", "auto (triton on CUDA when importable; on CPU the native C forward "
+                                          "when the model allows, else torch), triton, native or torch",
+                                  choices=("auto", "triton", "native", "torch"))
     moe_implementation: str = _opt("auto", "MoE experts (DeepSeek): grouped (all experts in grouped GEMMs), loop "
                                            "(one GEMM pair per expert), auto (grouped on CUDA bf16 sm90+, else loop)",
                                    choices=("auto", "grouped", "loop"))

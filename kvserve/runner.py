@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import get_attention_backend
+from kvserve.model.cpu_linear import can_pack, pack_linears
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.engine.request import Request
 from kvserve.engine.sampling import Sampler, SamplingRow, compute_prompt_logprobs
@@ -26,6 +27,16 @@ class StepResult:
     request: Request
     token_id: int
     logprobs: dict[int, float] | None
+
+
+def prepare_model_for_backend(model: torch.nn.Module, backend, dtype: torch.dtype, device: torch.device) -> None:
+    """Packs the linears for the CPU path that runs them: the native kernels' panels, or oneDNN's
+    blocked layout for the torch path in fp32 (kvserve/model/cpu_linear.py). Idempotent."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(model, dtype)
+    elif can_pack(dtype, device):
+        pack_linears(model)
 
 
 def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None) -> int:
@@ -58,7 +69,8 @@ class ModelRunner:
         self.kv_caches = kv_spec.allocate(num_blocks, block_size, device, self.num_kv_rows)
         self._kv_row_of: dict[str, tuple[int, Request]] = {}
         self._free_kv_rows = list(range(self.num_kv_rows - 1, -1, -1))
-        self.backend = get_attention_backend(device, attention_backend)
+        self.backend = get_attention_backend(device, attention_backend, model, dtype, self.kv_caches)
+        prepare_model_for_backend(model, self.backend, dtype, device)
         self.sampler = Sampler()
         self.graphs: "DecodeGraphs | None" = None
 

@@ -7,12 +7,16 @@ same `forward`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import quant_reference, reference
 from kvserve.kernels.triton import references
+
+logger = logging.getLogger(__name__)
 
 
 class TorchAttentionBackend:
@@ -86,8 +90,21 @@ def triton_available() -> bool:
     return True
 
 
-def get_attention_backend(device: torch.device, name: str = "auto"):
-    """The Triton backend on CUDA when triton imports (the fast path), else the torch reference."""
+def get_attention_backend(device: torch.device, name: str = "auto", model=None, dtype: torch.dtype | None = None,
+                          kv_caches=None):
+    """auto: the Triton backend on CUDA when triton imports; on CPU the native whole-model path
+    (kvserve/model/cpu_native.py) when the model, dtype and KV format allow it; else the torch
+    reference. `native` insists on the native path and says why it cannot run."""
+    if device.type == "cpu" and name in ("auto", "native") and model is not None:
+        from kvserve.model import cpu_native
+        reason = cpu_native.unsupported_reason(model, dtype, kv_caches or [])
+        if reason is None:
+            return cpu_native.NativeCpuBackend()
+        if name == "native":
+            raise ValueError(f"--attention-backend native cannot run here: {reason}")
+        logger.info("CPU forward through torch: %s", reason)
+    if name == "native":
+        raise ValueError("--attention-backend native is the CPU path; this device is " + device.type)
     if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_available())):
         return TorchAttentionBackend()
     if device.type != "cuda":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.model.cpu_linear import can_pack, pack_linears
 from kvserve.model.deepseek import MODEL_CLASSES as DEEPSEEK_CLASSES
 from kvserve.model.llama import MODEL_CLASSES as LLAMA_CLASSES
 
@@ -59,10 +58,8 @@ def build_model(source, dtype: torch.dtype, device: torch.device, load_format: s
     # Rotary frequencies stay fp32 whatever the model dtype, as in transformers; scaled variants
     # are computed on the host, so move them too.
     model.rotary.inv_freq = model.rotary.inv_freq.to(device=device, dtype=torch.float32)
-    model = model.eval().requires_grad_(False)
-    if can_pack(dtype, device):
-        pack_linears(model)
-    return model
+    # Linears are packed for the CPU path that will run them when the runner picks its backend.
+    return model.eval().requires_grad_(False)
 
 
 def _init_random(model: torch.nn.Module, seed: int) -> None:

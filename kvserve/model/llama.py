@@ -96,6 +96,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
+        if getattr(backend, "runs_whole_model", False):     # the native CPU path (model/cpu_native.py)
+            return backend.run_model(self, input_ids, positions, kv_caches, meta)
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         residual = None

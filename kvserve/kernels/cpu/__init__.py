@@ -1,14 +1,16 @@
-"""Native CPU kernels, compiled once from C on first use and called through ctypes.
+"""Native CPU kernels (llama_forward.c), compiled once on first use and called through ctypes.
 
-torch has no paged attention on the CPU: the reference gathers every sequence's blocks into a
-contiguous copy per layer and step, then runs SDPA, which on this repo's 2-core test machine cost more
-than the layer's GEMMs at batch 16. The C kernel here reads the blocks in place.
+What lives here: a GEMM over weights packed once into 16-column panels (fp32, or bf16 widened in
+registers, which torch's CPU matmul cannot do without AVX512-BF16), paged attention that reads K/V
+blocks where they lie, and the whole Llama/Qwen2 forward pass built from them
+(kvserve/model/cpu_native.py drives it).
 
 The C file is compiled with the machine's C compiler (`cc`, as Triton does for its launchers) into
-~/.cache/kvserve/cpu_kernels, keyed by the source's hash, so a machine builds it once (about a second).
-Without a compiler, or if the build fails, `available()` is False and callers keep the torch path.
-ctypes drops the GIL during the call, so a batch is split across a small thread pool, one slice per
-torch intra-op thread.
+~/.cache/kvserve/cpu_kernels, keyed by the source's and flags' hash, so a machine builds it once (a
+few seconds). It is built with OpenMP and linked against the libgomp torch has already loaded (the
+same soname), so its parallel loops run on torch's own thread pool. Without a compiler, or if the
+build fails, `available()` is False and callers keep the torch path. KVSERVE_DISABLE_CPU_KERNELS=1
+turns the kernels off.
 """
 
 from __future__ import annotations
@@ -21,20 +23,56 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_decode_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11"]
+_SOURCE = Path(__file__).with_name("llama_forward.c")
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
+_OPENMP = ["-fopenmp"]
+PANEL = 16
+# Stored position -> column within a bf16 panel (llama_forward.c: PANEL_ORDER).
+_BF16_PANEL_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
+
+
+class ModelDims(ctypes.Structure):
+    _fields_ = [("hidden_size", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate_size", _i64), ("num_layers", _i64), ("block_size", _i64),
+                ("rms_eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+                ("weight_bf16", _i32), ("kv_bf16", _i32)]
+
+
+class LayerPointers(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
+                                        "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")]
 
 
 def _cache_dir() -> Path:
     root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
     return Path(root) / "cpu_kernels"
+
+
+def _build(compiler: str, flags: list[str]) -> Path | None:
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"llama_forward_{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("building the CPU kernels with %s failed:\n%s", " ".join(flags), result.stderr[-2000:])
+            return None
+        os.replace(built, target)   # atomic: a concurrent builder never sees a partial file
+    return target
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,26 +81,23 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.info("no C compiler found; CPU decode attention uses the torch path")
+        logger.info("no C compiler found; the CPU uses the torch path")
         return None
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_attention_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("building the CPU attention kernel failed; using the torch path:\n%s",
-                               result.stderr[-2000:])
-                return None
-            os.replace(built, target)   # atomic: a concurrent builder never sees a partial file
+    # Without OpenMP the kernels still work, on one thread.
+    target = _build(compiler, _FLAGS + _OPENMP) or _build(compiler, _FLAGS)
+    if target is None:
+        return None
     library = ctypes.CDLL(str(target))
-    fn = library.paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    library.kvs_linear.restype = None
+    library.kvs_linear.argtypes = [_p, _i64, _i64, _p, _i32, _p, _p, _i64, _i32]
+    library.kvs_paged_attention.restype = None
+    library.kvs_paged_attention.argtypes = ([_p, _i64, _p, _i64, _i64, _p, _p, _i32, _p, _i64, _p, _p]
+                                            + [_i64] * 4 + [ctypes.c_float, _p, _i64])
+    library.kvs_llama_workspace.restype = _i64
+    library.kvs_llama_workspace.argtypes = [ctypes.POINTER(ModelDims), _i64, _i64]
+    library.kvs_llama_forward.restype = ctypes.c_int
+    library.kvs_llama_forward.argtypes = ([ctypes.POINTER(ModelDims), ctypes.POINTER(LayerPointers), _p, _p, _p, _i64]
+                                          + [_p] * 6 + [_i64, _p, _i64])
     return library
 
 
@@ -70,57 +105,88 @@ def available() -> bool:
     return _library() is not None
 
 
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()), thread_name_prefix="kvserve-attn")
+def library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available (see kvserve.kernels.cpu.available)")
+    return lib
+
+
+# --- packed weights and the GEMM -------------------------------------------------------------------
+def pack_weight(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N/16), K, 16] (zero-padded), fp32 or bf16 in the kernel's column order."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = torch.zeros(panels * PANEL, in_features, dtype=torch.float32)
+    padded[:out_features] = weight.detach().float()
+    packed = padded.view(panels, PANEL, in_features).transpose(1, 2)     # [P, K, 16]
+    if bf16:
+        packed = packed[:, :, _BF16_PANEL_ORDER].to(torch.bfloat16)
+    return packed.contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32; with `accumulate`, adds into `out` instead."""
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError("the native linear takes a 2-D fp32 input")
+    x = x.contiguous()
+    rows, in_features = x.shape
+    if packed.shape[1] != in_features:
+        raise ValueError(f"input has {in_features} features, the weight {packed.shape[1]}")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs an output to add into")
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+    elif out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("the output must be a contiguous fp32 [M, N] tensor")
+    library().kvs_linear(x.data_ptr(), rows, in_features, packed.data_ptr(), int(packed.dtype == torch.bfloat16),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, int(accumulate))
+    return out
+
+
+# --- paged attention ---------------------------------------------------------------------------------
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    token_seqs: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [T, heads, D] fp32; caches [blocks, block_size, kv_heads, D] fp32 or bf16 (contiguous);
+    block_tables [S, max_blocks]; token t attends to the first context_lens[t] tokens of sequence
+    token_seqs[t]. Returns [T, heads, D] fp32."""
+    if query.dtype != torch.float32 or k_cache.dtype not in (torch.float32, torch.bfloat16) \
+            or v_cache.dtype != k_cache.dtype:
+        raise ValueError("the CPU attention kernel takes fp32 queries and fp32 or bf16 caches")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if token_seqs.shape != (num_tokens,) or context_lens.shape != (num_tokens,):
+        raise ValueError("token_seqs and context_lens need one entry per query token")
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()
+    token_seqs = token_seqs.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    max_blocks = block_tables.shape[1]
+    longest = int(context_lens.max()) if num_tokens else 0
+    if longest > max_blocks * block_size:
+        raise ValueError("a context length exceeds its block table")
+    if num_tokens and (int(token_seqs.min()) < 0 or int(token_seqs.max()) >= block_tables.shape[0]):
+        raise ValueError("a token's sequence index is outside the block tables")
+    out = torch.empty_like(query)
+    per_thread = (num_heads // num_kv_heads) * max(longest, 1) + 16
+    scratch = torch.empty(per_thread * max(1, torch.get_num_threads()), dtype=torch.float32)
+    width = num_heads * head_dim
+    library().kvs_paged_attention(query.data_ptr(), width, out.data_ptr(), width, num_tokens, k_cache.data_ptr(),
+                                  v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), block_tables.data_ptr(),
+                                  max_blocks, token_seqs.data_ptr(), context_lens.data_ptr(), num_heads, num_kv_heads,
+                                  head_dim, block_size, scale, scratch.data_ptr(), per_thread)
+    return out
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as kvserve.kernels.reference.paged_decode_attention, with context lengths instead of
-    a mask: query [B, heads, D] fp32; caches [blocks, block_size, kv_heads, D] fp32 (contiguous);
-    block_tables [B, max_blocks] int64; context_lens [B] int32. Returns [B, heads, D]."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the CPU attention kernel is not available (see kvserve.kernels.cpu.available)")
-    if query.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise ValueError("the CPU attention kernel takes fp32 queries and caches")
-    query = query.contiguous()
-    block_tables = block_tables.to(torch.int64).contiguous()
-    context_lens = context_lens.to(torch.int32).contiguous()
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+    """One query token per row of block_tables (the reference's decode contract, lengths for a mask)."""
+    if block_tables.shape[0] != query.shape[0] or context_lens.shape != (query.shape[0],):
         raise ValueError("block_tables and context_lens need one row per query")
-    max_blocks = block_tables.shape[1]
-    if batch and int(context_lens.max()) > max_blocks * block_size:
-        raise ValueError("a context length exceeds its block table")
-    out = torch.empty_like(query)
-    fn = library.paged_decode_attention_f32
-    pointers = (query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                context_lens.data_ptr(), out.data_ptr())
-    shape = (num_heads, num_kv_heads, head_dim, block_size, max_blocks)
-
-    def run(begin: int, end: int) -> int:
-        return fn(*pointers, begin, end, *shape, ctypes.c_float(scale))
-
-    workers = min(batch, max(1, torch.get_num_threads()))
-    if workers <= 1:
-        status = [run(0, batch)]
-    else:
-        # Slices of equal total context, so threads finish together.
-        lengths = context_lens.tolist()
-        bounds, target, running = [0], sum(lengths) / workers, 0
-        for index, length in enumerate(lengths):
-            running += length
-            if running >= target * len(bounds) and len(bounds) < workers:
-                bounds.append(index + 1)
-        bounds.append(batch)
-        status = list(_pool().map(run, bounds[:-1], bounds[1:]))
-    if any(status):
-        raise MemoryError("the CPU attention kernel could not allocate its scratch buffers")
-    return out
+    return paged_attention(query, k_cache, v_cache, block_tables,
+                           torch.arange(query.shape[0], dtype=torch.int32), context_lens, scale)

@@ -1,0 +1,492 @@
+/* The Llama/Qwen2 forward pass on the CPU in one call: GEMMs on pre-packed weights, RMSNorm, rotary,
+ * paged KV store and paged attention, SiLU*mul and the residual adds.
+ *
+ * Why C: at decode batch sizes on a 2-core CPU, a step through torch is ~20 small ops per layer, each
+ * paying dispatch and an OpenMP fork/join, plus GEMMs that cannot stream a weight in bf16 (torch's bf16
+ * CPU matmul needs AVX512-BF16). Here a layer is eight parallel loops over memory the caller owns.
+ *
+ * Threads: `#pragma omp parallel`, linked against the libgomp torch itself loaded (same soname), so the
+ * loops run on torch's own intra-op thread pool and never oversubscribe the cores.
+ *
+ * Layouts (row-major unless said):
+ *   activations fp32 [T, features]; the residual stream stays fp32 whatever the weight dtype.
+ *   packed weight: panels of 16 output features, [ceil(N/16), K, 16], fp32 or bf16 (bf16 panels store
+ *     their 16 columns in the order PANEL_ORDER so that two unpack instructions widen them in order).
+ *   KV cache per layer: [num_blocks, block_size, kv_heads, head_dim], fp32 or bf16 (NHD).
+ *   attention works per query token: its sequence row in block_tables and its context length
+ *   (position + 1), so one loop serves decodes, chunked prefills and whole prompts alike.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVS_AVX2 1
+#endif
+
+#define PANEL 16
+/* Stored position -> column of a bf16 panel (see the header comment); fp32 panels are in order. */
+static const int PANEL_ORDER[PANEL] __attribute__((unused)) = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#ifdef _OPENMP
+#define POOL_SIZE() omp_get_max_threads()
+#define TEAM_SIZE() omp_get_num_threads()
+#define TEAM_RANK() omp_get_thread_num()
+#else
+#define POOL_SIZE() 1
+#define TEAM_SIZE() 1
+#define TEAM_RANK() 0
+#endif
+/* Loops over fewer elements than this run on the calling thread: a fork/join costs more. */
+#define PARALLEL_MIN_ELEMENTS 32768
+
+/* ------------------------------------------------------------------------------------------------
+ * GEMM: y[M, N] (=|+=) x[M, K] @ W^T (+ bias), W packed in panels.
+ * A micro-tile is MR rows x one 16-column panel: 2*MR vector accumulators stay in registers over the
+ * whole K loop (K is at most a few thousand here), so there is no K blocking.
+ * ------------------------------------------------------------------------------------------------ */
+#define MAX_MR 6
+
+static void tile_store(float acc[MAX_MR][PANEL], int mr, float *y, int64_t ldy, int ncols, const float *bias,
+                       int accumulate) {
+    for (int r = 0; r < mr; r++) {
+        float *row = y + r * ldy;
+        for (int c = 0; c < ncols; c++) {
+            float v = acc[r][c];
+            if (bias) v += bias[c];
+            row[c] = accumulate ? row[c] + v : v;
+        }
+    }
+}
+
+#ifdef KVS_AVX2
+static inline void load_panel_row(const void *w, int bf16, int64_t k, __m256 *w0, __m256 *w1) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * PANEL));
+        const __m256i zero = _mm256_setzero_si256();
+        *w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+        *w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+    } else {
+        const float *p = (const float *)w + k * PANEL;
+        *w0 = _mm256_loadu_ps(p);
+        *w1 = _mm256_loadu_ps(p + 8);
+    }
+}
+
+/* MR is a literal at every call site, so each instance keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) void micro_tile(const int MR, const float *x, int64_t ldx, const void *w,
+                                                             int bf16, int64_t K, float acc_out[MAX_MR][PANEL]) {
+    __m256 acc0[MAX_MR], acc1[MAX_MR];
+    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    if (MR == 1) {
+        /* One row is bound by FMA latency, not by loads: two independent chains per half. */
+        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+        for (; k + 1 < K; k += 2) {
+            __m256 w0, w1, v0, v1;
+            load_panel_row(w, bf16, k, &w0, &w1);
+            load_panel_row(w, bf16, k + 1, &v0, &v1);
+            const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
+            acc0[0] = _mm256_fmadd_ps(xa, w0, acc0[0]);
+            acc1[0] = _mm256_fmadd_ps(xa, w1, acc1[0]);
+            b0 = _mm256_fmadd_ps(xb, v0, b0);
+            b1 = _mm256_fmadd_ps(xb, v1, b1);
+        }
+        acc0[0] = _mm256_add_ps(acc0[0], b0);
+        acc1[0] = _mm256_add_ps(acc1[0], b1);
+    }
+    for (; k < K; k++) {
+        __m256 w0, w1;
+        load_panel_row(w, bf16, k, &w0, &w1);
+        for (int r = 0; r < MR; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(acc_out[r], acc0[r]);
+        _mm256_storeu_ps(acc_out[r] + 8, acc1[r]);
+    }
+}
+#endif
+
+static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf16, int64_t K,
+                      float acc[MAX_MR][PANEL]) {
+#ifdef KVS_AVX2
+    switch (mr) {
+    case 1: micro_tile(1, x, ldx, w, bf16, K, acc); return;
+    case 2: micro_tile(2, x, ldx, w, bf16, K, acc); return;
+    case 3: micro_tile(3, x, ldx, w, bf16, K, acc); return;
+    case 4: micro_tile(4, x, ldx, w, bf16, K, acc); return;
+    case 5: micro_tile(5, x, ldx, w, bf16, K, acc); return;
+    default: micro_tile(6, x, ldx, w, bf16, K, acc); return;
+    }
+#else
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < PANEL; c++) acc[r][c] = 0.0f;
+    for (int64_t k = 0; k < K; k++)
+        for (int s = 0; s < PANEL; s++) {
+            const int c = bf16 ? PANEL_ORDER[s] : s;
+            const float wv = bf16 ? bf16_to_f32(((const uint16_t *)w)[k * PANEL + s]) : ((const float *)w)[k * PANEL + s];
+            for (int r = 0; r < mr; r++) acc[r][c] += x[r * ldx + k] * wv;
+        }
+#endif
+}
+
+/* Rows per cache block of x: a block of activations is reused by every panel a thread owns. */
+#define ROW_BLOCK 96
+
+static void gemm_rows(const float *x, int64_t M, int64_t K, const void *w, int bf16, const float *bias,
+                      float *y, int64_t N, int accumulate, int64_t panel_begin, int64_t panel_end) {
+    const size_t panel_bytes = (size_t)K * PANEL * (bf16 ? 2 : 4);
+    float acc[MAX_MR][PANEL];
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+        for (int64_t p = panel_begin; p < panel_end; p++) {
+            const void *wp = (const char *)w + (size_t)p * panel_bytes;
+            const int64_t col = p * PANEL;
+            const int ncols = N - col < PANEL ? (int)(N - col) : PANEL;
+            for (int64_t m = m0; m < m1; m += MAX_MR) {
+                const int mr = m1 - m < MAX_MR ? (int)(m1 - m) : MAX_MR;
+                gemm_tile(mr, x + m * K, K, wp, bf16, K, acc);
+                tile_store(acc, mr, y + m * N + col, N, ncols, bias ? bias + col : NULL, accumulate);
+            }
+        }
+    }
+}
+
+/* y (=|+=) x @ W^T + bias over all panels, split across the pool. */
+void kvs_linear(const float *x, int64_t M, int64_t K, const void *w, int32_t bf16, const float *bias, float *y,
+                int64_t N, int32_t accumulate) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    if (M <= 0 || N <= 0) return;
+#pragma omp parallel if (panels > 1 && M * K * N > PARALLEL_MIN_ELEMENTS)
+    {
+        const int64_t team = TEAM_SIZE(), rank = TEAM_RANK();
+        gemm_rows(x, M, K, w, bf16, bias, y, N, accumulate, panels * rank / team, panels * (rank + 1) / team);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Vector helpers
+ * ------------------------------------------------------------------------------------------------ */
+#ifdef KVS_AVX2
+static inline __m256 load8(const void *base, int bf16, int64_t index) {
+    if (bf16) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    return _mm256_loadu_ps((const float *)base + index);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x, Cephes' single-precision polynomial (about 1 ulp) with the argument range clamped. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+#endif
+
+static inline float load1(const void *base, int bf16, int64_t index) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Paged attention for one (query token, KV head): its G query heads share each K/V row read.
+ * scores: scratch of G * length floats.
+ * ------------------------------------------------------------------------------------------------ */
+static void attend(const float *q, float *out, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
+                   int kv_bf16, const int64_t *table, int64_t length, int64_t block_size, int64_t token_stride,
+                   int64_t head_offset, float scale, float *scores) {
+    if (length <= 0) {
+        memset(out, 0, sizeof(float) * (size_t)(G * D));
+        return;
+    }
+#define ROW(t) ((table[(t) / block_size] * block_size + (t) % block_size) * token_stride + head_offset)
+    /* 1. scores = q . k * scale, four keys at a time (one horizontal reduction for all four). */
+    for (int64_t t0 = 0; t0 < length; t0 += 4) {
+        int64_t rows[4];
+        const int64_t count = length - t0 < 4 ? length - t0 : 4;
+        for (int j = 0; j < 4; j++) rows[j] = ROW(t0 + (j < count ? j : 0));
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + g * D;
+            float dots[4];
+#ifdef KVS_AVX2
+            if (D % 8 == 0) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + d);
+                    a0 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[0] + d), a0);
+                    a1 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[1] + d), a1);
+                    a2 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[2] + d), a2);
+                    a3 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[3] + d), a3);
+                }
+                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+            } else
+#endif
+            {
+                for (int j = 0; j < 4; j++) {
+                    float s = 0.0f;
+                    for (int64_t d = 0; d < D; d++) s += qg[d] * load1(k_cache, kv_bf16, rows[j] + d);
+                    dots[j] = s;
+                }
+            }
+            for (int64_t j = 0; j < count; j++) scores[g * length + t0 + j] = dots[j] * scale;
+        }
+    }
+    /* 2. softmax per head. */
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * length;
+        float peak = s[0];
+        for (int64_t t = 1; t < length; t++) peak = s[t] > peak ? s[t] : peak;
+        float total = 0.0f;
+        int64_t t = 0;
+#ifdef KVS_AVX2
+        __m256 sum8 = _mm256_setzero_ps();
+        const __m256 peak8 = _mm256_set1_ps(peak);
+        for (; t + 8 <= length; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), peak8));
+            _mm256_storeu_ps(s + t, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        total = hsum8(sum8);
+#endif
+        for (; t < length; t++) {
+            s[t] = expf(s[t] - peak);
+            total += s[t];
+        }
+        const float inv = 1.0f / total;
+        for (t = 0; t < length; t++) s[t] *= inv;
+    }
+    /* 3. out = p @ V, 32 channels of every head at a time (four independent FMA chains). */
+    for (int64_t g = 0; g < G; g++) {
+        const float *p = scores + g * length;
+        float *o = out + g * D;
+        int64_t d0 = 0;
+#ifdef KVS_AVX2
+        for (; d0 + 32 <= D; d0 += 32) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t t = 0; t < length; t++) {
+                const int64_t row = ROW(t) + d0;
+                const __m256 pt = _mm256_set1_ps(p[t]);
+                a0 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row), a0);
+                a1 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 24), a3);
+            }
+            _mm256_storeu_ps(o + d0, a0);
+            _mm256_storeu_ps(o + d0 + 8, a1);
+            _mm256_storeu_ps(o + d0 + 16, a2);
+            _mm256_storeu_ps(o + d0 + 24, a3);
+        }
+#endif
+        for (int64_t d = d0; d < D; d++) o[d] = 0.0f;
+        if (d0 < D)
+            for (int64_t t = 0; t < length; t++) {
+                const int64_t row = ROW(t);
+                for (int64_t d = d0; d < D; d++) o[d] += p[t] * load1(v_cache, kv_bf16, row + d);
+            }
+    }
+#undef ROW
+}
+
+/* Attention for T query tokens over the paged cache. q rows [T, q_stride] hold heads x D from column
+ * 0; out rows [T, out_stride]. Token t attends to the first context_lens[t] tokens of the sequence
+ * in row token_seqs[t] of block_tables. scratch: POOL_SIZE() * G * max(context_lens) floats. */
+void kvs_paged_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t T,
+                         const void *k_cache, const void *v_cache, int32_t kv_bf16, const int64_t *block_tables,
+                         int64_t max_blocks, const int32_t *token_seqs, const int32_t *context_lens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         float *scratch, int64_t scratch_per_thread) {
+    const int64_t G = num_heads / num_kv_heads, units = T * num_kv_heads;
+    int64_t work = 0;
+    for (int64_t t = 0; t < T; t++) work += context_lens[t];
+#pragma omp parallel for schedule(dynamic, 1) if (units > 1 && work * num_heads * head_dim > PARALLEL_MIN_ELEMENTS)
+    for (int64_t unit = 0; unit < units; unit++) {
+        const int64_t t = unit / num_kv_heads, h = unit % num_kv_heads;
+        attend(q + t * q_stride + h * G * head_dim, out + t * out_stride + h * G * head_dim, G, head_dim, k_cache,
+               v_cache, kv_bf16, block_tables + (int64_t)token_seqs[t] * max_blocks, context_lens[t], block_size,
+               num_kv_heads * head_dim, h * head_dim, scale, scratch + TEAM_RANK() * scratch_per_thread);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Row-wise ops
+ * ------------------------------------------------------------------------------------------------ */
+static void rms_norm(const float *x, float *y, int64_t T, int64_t H, const float *weight, float eps) {
+#pragma omp parallel for if (T * H > PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = x + t * H;
+        float *dst = y + t * H;
+        float squares = 0.0f;
+        int64_t i = 0;
+#ifdef KVS_AVX2
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= H; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        squares = hsum8(acc);
+#endif
+        for (; i < H; i++) squares += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(squares / (float)H + eps);
+        for (i = 0; i < H; i++) dst[i] = weight[i] * (row[i] * inv);
+    }
+}
+
+/* Rotates q and k of each token in place (half-split layout, as HF checkpoints) and writes k and v
+ * into the cache at the token's slot (negative slot: a padding token, not stored). */
+static void rotary_and_store(float *qkv, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D,
+                             const float *cos_t, const float *sin_t, const int64_t *slot_mapping, void *k_cache,
+                             void *v_cache, int kv_bf16) {
+    const int64_t stride = (num_heads + 2 * num_kv_heads) * D, half = D / 2, kv_width = num_kv_heads * D;
+#pragma omp parallel for if (T * stride > PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * stride;
+        const float *c = cos_t + t * D, *s = sin_t + t * D;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+            float *x = row + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                const float a = x1 * c[i], b = -x2 * s[i];
+                const float e = x2 * c[i + half], f = x1 * s[i + half];
+                x[i] = a + b;
+                x[i + half] = e + f;
+            }
+        }
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        const float *k = row + num_heads * D, *v = k + kv_width;
+        if (kv_bf16) {
+            uint16_t *kd = (uint16_t *)k_cache + slot * kv_width, *vd = (uint16_t *)v_cache + slot * kv_width;
+            for (int64_t i = 0; i < kv_width; i++) {
+                kd[i] = f32_to_bf16(k[i]);
+                vd[i] = f32_to_bf16(v[i]);
+            }
+        } else {
+            memcpy((float *)k_cache + slot * kv_width, k, sizeof(float) * (size_t)kv_width);
+            memcpy((float *)v_cache + slot * kv_width, v, sizeof(float) * (size_t)kv_width);
+        }
+    }
+}
+
+/* act[t, i] = silu(gate[t, i]) * up[t, i], gate_up rows [gate | up]. */
+static void silu_and_mul(const float *gate_up, float *act, int64_t T, int64_t I) {
+#pragma omp parallel for if (T * I > PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *a = act + t * I;
+        int64_t i = 0;
+#ifdef KVS_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The whole model
+ * ------------------------------------------------------------------------------------------------ */
+typedef struct {
+    int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, num_layers, block_size;
+    float rms_eps, attn_scale;
+    int32_t weight_bf16, kv_bf16;
+} kvs_dims;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    const void *qkv_w;
+    const float *qkv_b;
+    const void *o_w;
+    const float *o_b;
+    const void *gate_up_w;
+    const float *gate_up_b;
+    const void *down_w;
+    const float *down_b;
+    void *k_cache, *v_cache;
+} kvs_layer;
+
+/* Floats of workspace kvs_llama_forward needs for T tokens whose longest context is max_context. */
+int64_t kvs_llama_workspace(const kvs_dims *d, int64_t T, int64_t max_context) {
+    const int64_t q = d->num_heads * d->head_dim, kv = d->num_kv_heads * d->head_dim;
+    const int64_t per_thread = (d->num_heads / d->num_kv_heads) * (max_context > 0 ? max_context : 1) + 16;
+    return T * (d->hidden_size + q + 2 * kv + q + 3 * d->intermediate_size) + POOL_SIZE() * per_thread;
+}
+
+/* resid [T, H]: the token embeddings in, the residual stream during; out [T, H]: the final norm's
+ * output. cos/sin [T, head_dim] for each token's position (attention scaling included). */
+int kvs_llama_forward(const kvs_dims *d, const kvs_layer *layers, const float *final_norm, float *resid, float *out,
+                      int64_t T, const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
+                      const int32_t *token_seqs, const int32_t *context_lens, const int64_t *block_tables,
+                      int64_t max_blocks, float *work, int64_t work_floats) {
+    const int64_t H = d->hidden_size, D = d->head_dim, I = d->intermediate_size;
+    const int64_t q_width = d->num_heads * D, qkv_width = q_width + 2 * d->num_kv_heads * D;
+    int64_t max_context = 0;
+    for (int64_t t = 0; t < T; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
+    if (kvs_llama_workspace(d, T, max_context) > work_floats) return -1;
+    const int64_t per_thread = (d->num_heads / d->num_kv_heads) * (max_context > 0 ? max_context : 1) + 16;
+    float *x = work, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * q_width;
+    float *act = gate_up + T * 2 * I, *scratch = act + T * I;
+    const int wb = d->weight_bf16;
+    for (int64_t l = 0; l < d->num_layers; l++) {
+        const kvs_layer *L = layers + l;
+        rms_norm(resid, x, T, H, L->input_norm, d->rms_eps);
+        kvs_linear(x, T, H, L->qkv_w, wb, L->qkv_b, qkv, qkv_width, 0);
+        rotary_and_store(qkv, T, d->num_heads, d->num_kv_heads, D, cos_t, sin_t, slot_mapping, L->k_cache,
+                         L->v_cache, d->kv_bf16);
+        kvs_paged_attention(qkv, qkv_width, attn, q_width, T, L->k_cache, L->v_cache, d->kv_bf16, block_tables,
+                            max_blocks, token_seqs, context_lens, d->num_heads, d->num_kv_heads, D, d->block_size,
+                            d->attn_scale, scratch, per_thread);
+        kvs_linear(attn, T, q_width, L->o_w, wb, L->o_b, resid, H, 1);         /* resid += o_proj */
+        rms_norm(resid, x, T, H, L->post_norm, d->rms_eps);
+        kvs_linear(x, T, H, L->gate_up_w, wb, L->gate_up_b, gate_up, 2 * I, 0);
+        silu_and_mul(gate_up, act, T, I);
+        kvs_linear(act, T, I, L->down_w, wb, L->down_b, resid, H, 1);         /* resid += down_proj */
+    }
+    rms_norm(resid, out, T, H, final_norm, d->rms_eps);
+    return 0;
+}
