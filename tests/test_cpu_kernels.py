@@ -132,3 +132,15 @@ def test_backend_selection_on_cpu(tiny_checkpoint):
     assert quantized.name == "torch"
     with pytest.raises(ValueError, match="quantized KV"):
         LLM(folder, kv_cache_dtype="int8", attention_backend="native", **options)
+
+
+def test_argmax_rows_matches_torch_including_ties_and_nan():
+    torch.manual_seed(8)
+    logits = torch.randn(7, 1003)
+    logits[1, 5] = logits[1, 900] = 50.0          # a tie: the first index wins
+    logits[2, :] = -torch.inf
+    logits[3, 17] = torch.nan                     # NaN counts as the maximum
+    logits[4, -1] = 99.0                          # the scalar tail
+    assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(dim=-1))
+    with pytest.raises(ValueError, match="2-D fp32"):
+        cpu_kernels.argmax_rows(logits.double())

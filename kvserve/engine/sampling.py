@@ -302,6 +302,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax; on CPU through the native kernel (torch's CPU argmax is scalar)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        from kvserve.kernels import cpu as cpu_kernels
+        if cpu_kernels.available():
+            return cpu_kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def exponential_race(probs: torch.Tensor,
                      generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
     """Draw one token per row: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i.
@@ -404,10 +413,10 @@ class Sampler:
         """Argmax for greedy rows, a random draw for the others."""
         sampled_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled_rows:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         if len(sampled_rows) == len(rows):
             return self._sample(logits, rows)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = _argmax(logits)
         index = torch.tensor(sampled_rows, device=logits.device)
         token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled_rows])
         return token_ids

@@ -93,6 +93,10 @@ def _library() -> ctypes.CDLL | None:
     library.kvs_paged_attention.restype = None
     library.kvs_paged_attention.argtypes = ([_p, _i64, _p, _i64, _i64, _p, _p, _i32, _p, _i64, _p, _p]
                                             + [_i64] * 4 + [ctypes.c_float, _p, _i64])
+    library.kvs_attention_scratch.restype = _i64
+    library.kvs_attention_scratch.argtypes = [_i64, _i64, _i64]
+    library.kvs_argmax_rows.restype = None
+    library.kvs_argmax_rows.argtypes = [_p, _i64, _i64, _p]
     library.kvs_llama_workspace.restype = _i64
     library.kvs_llama_workspace.argtypes = [ctypes.POINTER(ModelDims), _i64, _i64]
     library.kvs_llama_forward.restype = ctypes.c_int
@@ -173,7 +177,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens and (int(token_seqs.min()) < 0 or int(token_seqs.max()) >= block_tables.shape[0]):
         raise ValueError("a token's sequence index is outside the block tables")
     out = torch.empty_like(query)
-    per_thread = (num_heads // num_kv_heads) * max(longest, 1) + 16
+    per_thread = library().kvs_attention_scratch(num_heads, num_kv_heads, longest)
     scratch = torch.empty(per_thread * max(1, torch.get_num_threads()), dtype=torch.float32)
     width = num_heads * head_dim
     library().kvs_paged_attention(query.data_ptr(), width, out.data_ptr(), width, num_tokens, k_cache.data_ptr(),
@@ -190,3 +194,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError("block_tables and context_lens need one row per query")
     return paged_attention(query, k_cache, v_cache, block_tables,
                            torch.arange(query.shape[0], dtype=torch.int32), context_lens, scale)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) for a 2-D fp32 CPU tensor (first maximum; NaN wins)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
+        raise ValueError("argmax_rows takes a 2-D fp32 CPU tensor")
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[1] == 0:
+        raise ValueError("argmax of an empty row")
+    library().kvs_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out

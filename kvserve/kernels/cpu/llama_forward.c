@@ -92,9 +92,12 @@ static inline void load_panel_row(const void *w, int bf16, int64_t k, __m256 *w0
     }
 }
 
-/* MR is a literal at every call site, so each instance keeps its accumulators in registers. */
+/* MR is a literal at every call site, so each instance keeps its accumulators in registers. A full
+ * panel is written straight from the registers (bias, accumulate); a partial one goes through acc_out. */
 static inline __attribute__((always_inline)) void micro_tile(const int MR, const float *x, int64_t ldx, const void *w,
-                                                             int bf16, int64_t K, float acc_out[MAX_MR][PANEL]) {
+                                                             int bf16, int64_t K, float *y, int64_t ldy, int ncols,
+                                                             const float *bias, int accumulate,
+                                                             float acc_out[MAX_MR][PANEL]) {
     __m256 acc0[MAX_MR], acc1[MAX_MR];
     for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -123,23 +126,42 @@ static inline __attribute__((always_inline)) void micro_tile(const int MR, const
             acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
         }
     }
+    if (ncols == PANEL) {
+        const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+            float *row = y + r * ldy;
+            __m256 v0 = bias ? _mm256_add_ps(acc0[r], bias0) : acc0[r];
+            __m256 v1 = bias ? _mm256_add_ps(acc1[r], bias1) : acc1[r];
+            if (accumulate) {
+                v0 = _mm256_add_ps(_mm256_loadu_ps(row), v0);
+                v1 = _mm256_add_ps(_mm256_loadu_ps(row + 8), v1);
+            }
+            _mm256_storeu_ps(row, v0);
+            _mm256_storeu_ps(row + 8, v1);
+        }
+        return;
+    }
     for (int r = 0; r < MR; r++) {
         _mm256_storeu_ps(acc_out[r], acc0[r]);
         _mm256_storeu_ps(acc_out[r] + 8, acc1[r]);
     }
+    tile_store(acc_out, MR, y, ldy, ncols, bias, accumulate);
 }
 #endif
 
-static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf16, int64_t K,
-                      float acc[MAX_MR][PANEL]) {
+/* One MR x 16 tile of y (=|+=) x @ W_panel^T (+ bias). */
+static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf16, int64_t K, float *y,
+                      int64_t ldy, int ncols, const float *bias, int accumulate) {
+    float acc[MAX_MR][PANEL];
 #ifdef KVS_AVX2
     switch (mr) {
-    case 1: micro_tile(1, x, ldx, w, bf16, K, acc); return;
-    case 2: micro_tile(2, x, ldx, w, bf16, K, acc); return;
-    case 3: micro_tile(3, x, ldx, w, bf16, K, acc); return;
-    case 4: micro_tile(4, x, ldx, w, bf16, K, acc); return;
-    case 5: micro_tile(5, x, ldx, w, bf16, K, acc); return;
-    default: micro_tile(6, x, ldx, w, bf16, K, acc); return;
+    case 1: micro_tile(1, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
+    case 2: micro_tile(2, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
+    case 3: micro_tile(3, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
+    case 4: micro_tile(4, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
+    case 5: micro_tile(5, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
+    default: micro_tile(6, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
     }
 #else
     for (int r = 0; r < mr; r++)
@@ -150,6 +172,7 @@ static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf
             const float wv = bf16 ? bf16_to_f32(((const uint16_t *)w)[k * PANEL + s]) : ((const float *)w)[k * PANEL + s];
             for (int r = 0; r < mr; r++) acc[r][c] += x[r * ldx + k] * wv;
         }
+    tile_store(acc, mr, y, ldy, ncols, bias, accumulate);
 #endif
 }
 
@@ -159,7 +182,6 @@ static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf
 static void gemm_rows(const float *x, int64_t M, int64_t K, const void *w, int bf16, const float *bias,
                       float *y, int64_t N, int accumulate, int64_t panel_begin, int64_t panel_end) {
     const size_t panel_bytes = (size_t)K * PANEL * (bf16 ? 2 : 4);
-    float acc[MAX_MR][PANEL];
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
         for (int64_t p = panel_begin; p < panel_end; p++) {
@@ -168,8 +190,8 @@ static void gemm_rows(const float *x, int64_t M, int64_t K, const void *w, int b
             const int ncols = N - col < PANEL ? (int)(N - col) : PANEL;
             for (int64_t m = m0; m < m1; m += MAX_MR) {
                 const int mr = m1 - m < MAX_MR ? (int)(m1 - m) : MAX_MR;
-                gemm_tile(mr, x + m * K, K, wp, bf16, K, acc);
-                tile_store(acc, mr, y + m * N + col, N, ncols, bias ? bias + col : NULL, accumulate);
+                gemm_tile(mr, x + m * K, K, wp, bf16, K, y + m * N + col, N, ncols, bias ? bias + col : NULL,
+                          accumulate);
             }
         }
     }
@@ -231,7 +253,7 @@ static inline float load1(const void *base, int bf16, int64_t index) {
 
 /* ------------------------------------------------------------------------------------------------
  * Paged attention for one (query token, KV head): its G query heads share each K/V row read.
- * scores: scratch of G * length floats.
+ * scores: scratch of G * length floats followed by length int64 row offsets (SCRATCH_FLOATS).
  * ------------------------------------------------------------------------------------------------ */
 static void attend(const float *q, float *out, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
                    int kv_bf16, const int64_t *table, int64_t length, int64_t block_size, int64_t token_stride,
@@ -240,12 +262,20 @@ static void attend(const float *q, float *out, int64_t G, int64_t D, const void 
         memset(out, 0, sizeof(float) * (size_t)(G * D));
         return;
     }
-#define ROW(t) ((table[(t) / block_size] * block_size + (t) % block_size) * token_stride + head_offset)
+/* Each key's element offset, walked block by block: no division per key. */
+#define FOR_EACH_ROW(t, row, body_)                                                        \
+    for (int64_t t = 0, blk_ = 0, off_ = 0; t < length; t++) {                             \
+        const int64_t row = (table[blk_] * block_size + off_) * token_stride + head_offset; \
+        body_;                                                                              \
+        if (++off_ == block_size) { off_ = 0; blk_++; }                                     \
+    }
+    int64_t *rows = (int64_t *)(scores + ((G * length + 1) & ~(int64_t)1));   /* 8-byte aligned */
+    FOR_EACH_ROW(t, row, rows[t] = row)
     /* 1. scores = q . k * scale, four keys at a time (one horizontal reduction for all four). */
     for (int64_t t0 = 0; t0 < length; t0 += 4) {
-        int64_t rows[4];
+        int64_t quad[4];
         const int64_t count = length - t0 < 4 ? length - t0 : 4;
-        for (int j = 0; j < 4; j++) rows[j] = ROW(t0 + (j < count ? j : 0));
+        for (int j = 0; j < 4; j++) quad[j] = rows[t0 + (j < count ? j : 0)];
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + g * D;
             float dots[4];
@@ -254,10 +284,10 @@ static void attend(const float *q, float *out, int64_t G, int64_t D, const void 
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (int64_t d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qg + d);
-                    a0 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[0] + d), a0);
-                    a1 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[1] + d), a1);
-                    a2 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[2] + d), a2);
-                    a3 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, rows[3] + d), a3);
+                    a0 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[0] + d), a0);
+                    a1 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[1] + d), a1);
+                    a2 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[2] + d), a2);
+                    a3 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[3] + d), a3);
                 }
                 const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
                 _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
@@ -266,7 +296,7 @@ static void attend(const float *q, float *out, int64_t G, int64_t D, const void 
             {
                 for (int j = 0; j < 4; j++) {
                     float s = 0.0f;
-                    for (int64_t d = 0; d < D; d++) s += qg[d] * load1(k_cache, kv_bf16, rows[j] + d);
+                    for (int64_t d = 0; d < D; d++) s += qg[d] * load1(k_cache, kv_bf16, quad[j] + d);
                     dots[j] = s;
                 }
             }
@@ -306,7 +336,7 @@ static void attend(const float *q, float *out, int64_t G, int64_t D, const void 
         for (; d0 + 32 <= D; d0 += 32) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t t = 0; t < length; t++) {
-                const int64_t row = ROW(t) + d0;
+                const int64_t row = rows[t] + d0;
                 const __m256 pt = _mm256_set1_ps(p[t]);
                 a0 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row), a0);
                 a1 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 8), a1);
@@ -321,12 +351,20 @@ static void attend(const float *q, float *out, int64_t G, int64_t D, const void 
 #endif
         for (int64_t d = d0; d < D; d++) o[d] = 0.0f;
         if (d0 < D)
-            for (int64_t t = 0; t < length; t++) {
-                const int64_t row = ROW(t);
-                for (int64_t d = d0; d < D; d++) o[d] += p[t] * load1(v_cache, kv_bf16, row + d);
-            }
+            for (int64_t t = 0; t < length; t++)
+                for (int64_t d = d0; d < D; d++) o[d] += p[t] * load1(v_cache, kv_bf16, rows[t] + d);
     }
-#undef ROW
+#undef FOR_EACH_ROW
+}
+
+/* Floats of attention scratch one thread needs for contexts up to max_context. */
+static inline int64_t attention_scratch_floats(int64_t G, int64_t max_context) {
+    const int64_t length = max_context > 0 ? max_context : 1;
+    return G * length + 1 + 2 * length + 16;
+}
+
+int64_t kvs_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t max_context) {
+    return attention_scratch_floats(num_heads / num_kv_heads, max_context);
 }
 
 /* Attention for T query tokens over the paged cache. q rows [T, q_stride] hold heads x D from column
@@ -453,7 +491,7 @@ typedef struct {
 /* Floats of workspace kvs_llama_forward needs for T tokens whose longest context is max_context. */
 int64_t kvs_llama_workspace(const kvs_dims *d, int64_t T, int64_t max_context) {
     const int64_t q = d->num_heads * d->head_dim, kv = d->num_kv_heads * d->head_dim;
-    const int64_t per_thread = (d->num_heads / d->num_kv_heads) * (max_context > 0 ? max_context : 1) + 16;
+    const int64_t per_thread = attention_scratch_floats(d->num_heads / d->num_kv_heads, max_context);
     return T * (d->hidden_size + q + 2 * kv + q + 3 * d->intermediate_size) + POOL_SIZE() * per_thread;
 }
 
@@ -468,7 +506,7 @@ int kvs_llama_forward(const kvs_dims *d, const kvs_layer *layers, const float *f
     int64_t max_context = 0;
     for (int64_t t = 0; t < T; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     if (kvs_llama_workspace(d, T, max_context) > work_floats) return -1;
-    const int64_t per_thread = (d->num_heads / d->num_kv_heads) * (max_context > 0 ? max_context : 1) + 16;
+    const int64_t per_thread = attention_scratch_floats(d->num_heads / d->num_kv_heads, max_context);
     float *x = work, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * q_width;
     float *act = gate_up + T * 2 * I, *scratch = act + T * I;
     const int wb = d->weight_bf16;
@@ -489,4 +527,42 @@ int kvs_llama_forward(const kvs_dims *d, const kvs_layer *layers, const float *f
     }
     rms_norm(resid, out, T, H, final_norm, d->rms_eps);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Greedy sampling: the first index of each row's maximum (a NaN counts as the maximum, as in
+ * torch.argmax). torch's CPU argmax is scalar; over a 50k vocabulary at batch 64 it cost more than a
+ * layer's attention.
+ * ------------------------------------------------------------------------------------------------ */
+void kvs_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+#pragma omp parallel for if (rows * cols > 8 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        int64_t c = 0, nan_at = -1;
+        float peak = -INFINITY;
+#ifdef KVS_AVX2
+        __m256 peak8 = _mm256_set1_ps(-INFINITY);
+        __m256 unordered = _mm256_setzero_ps();
+        for (; c + 8 <= cols; c += 8) {
+            const __m256 v = _mm256_loadu_ps(row + c);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            peak8 = _mm256_max_ps(peak8, v);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, peak8);
+        for (int i = 0; i < 8; i++) peak = lanes[i] > peak ? lanes[i] : peak;
+        if (_mm256_movemask_ps(unordered)) nan_at = 0;      /* rescan below for the first NaN */
+#endif
+        for (; c < cols; c++) {
+            if (row[c] != row[c]) nan_at = 0;
+            peak = row[c] > peak ? row[c] : peak;
+        }
+        int64_t best = 0;
+        if (nan_at >= 0) {
+            while (row[best] == row[best]) best++;
+        } else {
+            while (best < cols - 1 && row[best] != peak) best++;
+        }
+        out[r] = best;
+    }
 }
