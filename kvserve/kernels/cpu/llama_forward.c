@@ -30,7 +30,7 @@
 
 #define PANEL 16
 /* Stored position -> column of a bf16 panel (see the header comment); fp32 panels are in order. */
-static const int PANEL_ORDER[PANEL] __attribute__((unused)) = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+static const int PANEL_ORDER[PANEL] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -176,25 +176,57 @@ static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf
 #endif
 }
 
-/* Rows per cache block of x: a block of activations is reused by every panel a thread owns. */
-#define ROW_BLOCK 96
+/* Rows of x per cache block: a block (about 128 KiB) stays in L2 while every panel a thread owns
+ * passes over it. */
+static inline int64_t row_block(int64_t K) {
+    int64_t rows = (128 * 1024) / (K * (int64_t)sizeof(float));
+    rows = rows / MAX_MR * MAX_MR;
+    return rows < MAX_MR ? MAX_MR : rows > 96 ? 96 : rows;
+}
+
+/* A bf16 panel widened once to fp32, for row blocks tall enough that widening it in every micro-tile
+ * would cost more than the copy (two unpacks per k per tile compete with the FMAs). */
+static const float *widen_panel(const uint16_t *panel, int64_t K, float **buffer, int64_t *capacity) {
+    if (*capacity < K * PANEL) {
+        free(*buffer);
+        *buffer = (float *)malloc(sizeof(float) * (size_t)(K * PANEL));
+        *capacity = *buffer ? K * PANEL : 0;
+        if (!*buffer) return NULL;
+    }
+    float *out = *buffer;
+    for (int64_t k = 0; k < K; k++)
+        for (int s = 0; s < PANEL; s++) out[k * PANEL + PANEL_ORDER[s]] = bf16_to_f32(panel[k * PANEL + s]);
+    return out;
+}
 
 static void gemm_rows(const float *x, int64_t M, int64_t K, const void *w, int bf16, const float *bias,
                       float *y, int64_t N, int accumulate, int64_t panel_begin, int64_t panel_end) {
     const size_t panel_bytes = (size_t)K * PANEL * (bf16 ? 2 : 4);
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+    const int64_t rows_per_block = row_block(K);
+    float *widened = NULL;
+    int64_t widened_capacity = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += rows_per_block) {
+        const int64_t m1 = m0 + rows_per_block < M ? m0 + rows_per_block : M;
         for (int64_t p = panel_begin; p < panel_end; p++) {
             const void *wp = (const char *)w + (size_t)p * panel_bytes;
+            int panel_bf16 = bf16;
+            if (bf16 && m1 - m0 > 2 * MAX_MR) {
+                const float *copy = widen_panel((const uint16_t *)wp, K, &widened, &widened_capacity);
+                if (copy) {
+                    wp = copy;
+                    panel_bf16 = 0;
+                }
+            }
             const int64_t col = p * PANEL;
             const int ncols = N - col < PANEL ? (int)(N - col) : PANEL;
             for (int64_t m = m0; m < m1; m += MAX_MR) {
                 const int mr = m1 - m < MAX_MR ? (int)(m1 - m) : MAX_MR;
-                gemm_tile(mr, x + m * K, K, wp, bf16, K, y + m * N + col, N, ncols, bias ? bias + col : NULL,
+                gemm_tile(mr, x + m * K, K, wp, panel_bf16, K, y + m * N + col, N, ncols, bias ? bias + col : NULL,
                           accumulate);
             }
         }
     }
+    free(widened);
 }
 
 /* y (=|+=) x @ W^T + bias over all panels, split across the pool. */
