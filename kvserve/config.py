@@ -87,6 +87,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to bound step time")
     cache_aware_scheduling: bool = _opt(False, "admit waiting requests with the longest cached prefix first")
     cache_aware_max_bypass: int = _opt(8, "cache-aware order: times a request may be overtaken before it goes first")
+    async_scheduling: str = _opt("auto", "queue each step before the previous step's tokens reach the host, so "
+                                         "scheduling and output handling overlap the GPU's work (steps that need "
+                                         "penalties or logprobs run synchronously); auto: on for CUDA",
+                                 choices=("auto", "on", "off"))
 
 
 @dataclass

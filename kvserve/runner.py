@@ -15,7 +15,7 @@ import torch
 from kvserve.attention.backend import get_attention_backend
 from kvserve.model.cpu_linear import can_pack, pack_linears
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
-from kvserve.engine.request import Request
+from kvserve.engine.request import PENDING_TOKEN, Request
 from kvserve.engine.sampling import Sampler, SamplingRow, compute_prompt_logprobs
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -27,6 +27,21 @@ class StepResult:
     request: Request
     token_id: int
     logprobs: dict[int, float] | None
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose sampled tokens are still on the device (or on their way to the host)."""
+    requests: list[Request]            # one per sampled row
+    row_of: dict[str, int]             # request id -> row
+    token_ids: torch.Tensor            # [rows] on the device: the next step's inputs read from here
+    host_token_ids: torch.Tensor       # host copy (pinned on CUDA), valid once `ready` has completed
+    ready: "torch.cuda.Event | None"   # None where the device runs synchronously (CPU)
+
+    def results(self) -> list[StepResult]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [StepResult(request, token, None) for request, token in zip(self.requests, self.host_token_ids.tolist())]
 
 
 def prepare_model_for_backend(model: torch.nn.Module, backend, dtype: torch.dtype, device: torch.device) -> None:
@@ -179,16 +194,17 @@ class ModelRunner:
             window_slots.append(slots)
         return np.concatenate(token_rows), np.concatenate(window_slots)
 
-    @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[StepResult]:
+    def _forward(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
+                 previous: InflightStep | None = None):
+        """(ordered items, hidden states, sampled row offsets, their requests)."""
         ordered = None
         if self.graphs is not None:
-            ordered, hidden = self.graphs.try_run(sched_out.scheduled, block_tables)
+            ordered, hidden = self.graphs.try_run(sched_out.scheduled, block_tables, previous)
         if ordered is None:
             ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables)
+            self.feed_pending_tokens(input_ids, ordered, previous)
             with self._sdpa_backends():
                 hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-
         sample_rows, row_requests, offset = [], [], 0
         for item in ordered:
             request = item.request
@@ -198,20 +214,82 @@ class ModelRunner:
                 sample_rows.append(offset + item.num_new_tokens - 1)
                 row_requests.append(request)
             offset += item.num_new_tokens
-        if not row_requests:
-            return []
+        return ordered, hidden, sample_rows, row_requests
+
+    def _sampled_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
         if sample_rows[-1] - sample_rows[0] == len(sample_rows) - 1:
             # Rows in a run (every decode-only step): a view, no host->device index copy, which
             # would wait for the forward to finish before the logits GEMM could even be queued.
             sampled_hidden = hidden[sample_rows[0]:sample_rows[-1] + 1]
         else:
             sampled_hidden = hidden[torch.from_numpy(np.asarray(sample_rows)).to(self.device, non_blocking=True)]
-        logits = self.model.compute_logits(sampled_hidden)
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
+        return self.model.compute_logits(sampled_hidden)
+
+    def _sampling_rows(self, row_requests: list[Request]) -> list[SamplingRow]:
+        return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
                 for r in row_requests]
-        result = self.sampler(logits, rows, self.eos_token_ids)
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[StepResult]:
+        _, hidden, sample_rows, row_requests = self._forward(sched_out, block_tables)
+        if not row_requests:
+            return []
+        logits = self._sampled_logits(hidden, sample_rows)
+        result = self.sampler(logits, self._sampling_rows(row_requests), self.eos_token_ids)
         return [StepResult(request, token, lp)
                 for request, token, lp in zip(row_requests, result.token_ids, result.logprobs)]
+
+    @torch.inference_mode()
+    def launch(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
+               previous: InflightStep | None) -> InflightStep | None:
+        """Queues a step on the device without waiting for it: decodes whose input token is still
+        pending read it from `previous` on the device, and the sampled tokens start their copy to
+        the host. Only for steps whose sampling needs no host-side token history (see
+        `can_launch_ahead`)."""
+        _, hidden, sample_rows, row_requests = self._forward(sched_out, block_tables, previous)
+        if not row_requests:
+            return None
+        logits = self._sampled_logits(hidden, sample_rows)
+        token_ids = self.sampler.select(logits, self._sampling_rows(row_requests), self.eos_token_ids)
+        ready = None
+        if token_ids.is_cuda:
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = token_ids
+        return InflightStep(row_requests, {r.request_id: i for i, r in enumerate(row_requests)}, token_ids, host, ready)
+
+    def feed_pending_tokens(self, input_ids: torch.Tensor, items: list[ScheduledRequest],
+                            previous: InflightStep | None) -> None:
+        """input_ids[i] <- the token `previous` sampled for item i's request, for the decodes whose
+        input token has not reached the host (PENDING_TOKEN there). Decodes come first in a batch,
+        one token each, so item i's input is input_ids[i]."""
+        if previous is None:
+            return
+        sources = np.full(len(items), -1, dtype=np.int64)
+        for index, item in enumerate(items):
+            if item.num_new_tokens != 1:
+                break
+            if item.request.last_token_id == PENDING_TOKEN:
+                sources[index] = previous.row_of[item.request.request_id]
+        if (sources < 0).all():
+            return
+        source = self._to_device(sources)
+        head = input_ids[:len(items)]
+        head.copy_(torch.where(source >= 0, previous.token_ids[source.clamp(min=0)], head))
+
+    def can_launch_ahead(self, sched_out: SchedulerOutput) -> bool:
+        """True when a step may be queued before the previous step's tokens reach the host: no
+        scheduled request needs host-side token history or per-token host work to sample
+        (penalties, logprobs, prompt logprobs)."""
+        for item in sched_out.scheduled:
+            params = item.request.params
+            if (params.logprobs is not None or params.prompt_logprobs is not None
+                    or params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty):
+                return False
+        return True
 
     def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Captures decode steps for a ladder of batch sizes (see DecodeGraphs)."""
@@ -331,7 +409,8 @@ class DecodeGraphs:
             meta.decode_kv_rows = self.decode_kv_rows[:size]
         return meta
 
-    def try_run(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]):
+    def try_run(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]],
+                previous: InflightStep | None = None):
         """(ordered items, hidden [n, H]) from a graph replay, or (None, None) if the step does not fit."""
         count = len(items)
         if count > self.sizes[-1] or any(item.num_new_tokens != 1 or item.request.params.prompt_logprobs is not None
@@ -356,6 +435,7 @@ class DecodeGraphs:
         padded_pos = np.zeros(size, dtype=np.int64)
         padded_pos[:count] = positions
         self.input_ids[:size].copy_(torch.from_numpy(padded_ids), non_blocking=True)
+        self.runner.feed_pending_tokens(self.input_ids, items, previous)
         self.positions[:size].copy_(torch.from_numpy(padded_pos), non_blocking=True)
         self.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         self.context_lens[:size].copy_(torch.from_numpy(context_lens), non_blocking=True)

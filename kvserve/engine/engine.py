@@ -17,7 +17,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.engine.request import CacheOptions, Request, RequestStatus
+from kvserve.engine.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from kvserve.kvcache.manager import KVCacheManager
@@ -26,7 +26,7 @@ from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.builder import build_model, resolve_device, resolve_dtype
 from kvserve.model.loader import resolve_model
 from kvserve.kvcache.quant import spec_from_config
-from kvserve.runner import ModelRunner, kv_bytes_per_token
+from kvserve.runner import InflightStep, ModelRunner, StepResult, kv_bytes_per_token
 
 logger = logging.getLogger("kvserve")
 
@@ -97,6 +97,10 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
+        # Overlapped scheduling (CUDA): the launched step whose sampled tokens are not yet read.
+        mode = config.scheduler_config.async_scheduling
+        self._async = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        self._inflight: Optional[InflightStep] = None
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max_model_len %d",
                     num_blocks, block_size, capacity, self.kv_spec.describe(), max_model_len)
         self.reset_expert_load()      # the profiling step is not load
@@ -269,18 +273,63 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return []
+        """One engine step. With overlapped scheduling (CUDA, `async_scheduling`), a step is queued
+        on the GPU before the previous step's tokens are read back: the host then turns those
+        tokens into outputs and schedules the next step while the GPU computes. The outputs a step
+        returns can therefore be the previous step's."""
+        outputs: list[RequestOutput] = []
         try:
-            return self._run_step(sched_out)
+            if self._inflight is not None and self._may_preempt():
+                # Preemption recomputes from the token list, which must hold no pending token.
+                outputs += self._finish_inflight()
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                if self._inflight is not None:
+                    outputs += self._finish_inflight()
+                return outputs
+            if self._async and self.runner.can_launch_ahead(sched_out):
+                launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight)
+                if self._inflight is not None:
+                    outputs += self._finish_inflight()
+                for item in sched_out.scheduled:
+                    if not item.request.is_finished:    # finished by the tokens just read: results dropped
+                        self.scheduler.advance(item)
+                if launched is not None:
+                    for request in launched.requests:
+                        if not request.is_finished:
+                            request.output_token_ids.append(PENDING_TOKEN)
+                self._inflight = launched
+                return outputs
+            if self._inflight is not None:
+                outputs += self._finish_inflight()
+                sched_out.scheduled = [item for item in sched_out.scheduled if not item.request.is_finished]
+                if not sched_out.scheduled:
+                    return outputs
+            return outputs + self._run_step(sched_out)
         finally:
             self.prefix.publish()
+
+    def _may_preempt(self) -> bool:
+        """Whether this step's scheduling could run out of blocks: each running request may need
+        one new block, prefill chunks up to the token budget's worth."""
+        sched = self.config.scheduler_config
+        block_size = self.config.cache_config.block_size
+        needed = len(self.scheduler.running) + sched.max_num_batched_tokens // block_size + 1
+        return self.kv_manager.num_free_blocks < needed
+
+    def _finish_inflight(self) -> list[RequestOutput]:
+        inflight, self._inflight = self._inflight, None
+        return self._process_results(inflight.results(), pending=True)
 
     def _run_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         results = self.runner.execute(sched_out, self.kv_manager.block_tables)
         for item in sched_out.scheduled:
             self.scheduler.advance(item)
+        return self._process_results(results, pending=False)
+
+    def _process_results(self, results: list[StepResult], pending: bool) -> list[RequestOutput]:
+        """Records sampled tokens (in place of their PENDING_TOKEN when `pending`), checks stops,
+        detokenizes, and builds the outputs of the groups that are due one."""
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for result in results:
@@ -290,7 +339,10 @@ class Engine:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.scheduler.append_token(request, result.token_id, self.eos_token_ids)
+            if pending:
+                self.scheduler.fill_pending_token(request, result.token_id, self.eos_token_ids)
+            else:
+                self.scheduler.append_token(request, result.token_id, self.eos_token_ids)
             self.stats.generation_tokens_total += 1
             if result.logprobs is not None:
                 request.output_logprobs.append(result.logprobs)

@@ -17,6 +17,11 @@ _DEFAULT_NAMESPACE = make_namespace(None, None)
 _DEFAULT_ROOT = namespace_root(_DEFAULT_NAMESPACE)
 
 
+# Stands in output_token_ids for a token sampled on the device but not yet read back (overlapped
+# scheduling, kvserve/engine/engine.py). Never a valid token id.
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -95,6 +100,10 @@ class Request:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    @property
+    def has_pending_token(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
 
     @property
     def last_token_id(self) -> int:

@@ -375,6 +375,14 @@ class Sampler:
         logprobs, ranks = self._collect_logprobs(raw_logprobs, logprob_rows, token_ids, rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, ranks=ranks)
 
+    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]) -> torch.Tensor:
+        """Token ids [rows] left on the device: for batches without penalties or logprobs (the
+        overlapped scheduler launches such steps before the previous step's tokens are known)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+        logits = apply_token_mask(logits.float(), min_tokens_bans(rows, eos_token_ids))
+        return self._select_tokens(logits, rows)
+
     # -- stages ---------------------------------------------------------------------------
 
     @staticmethod

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.config import SchedulerConfig
-from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
@@ -101,6 +101,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.has_pending_token and self._reaches_length_limit(request):
+                index += 1      # finishes when its pending token is read: no further step
+                continue
             num_new = request.num_tokens - request.num_computed_tokens
             if not chunked and num_new > budget:
                 index += 1
@@ -219,6 +222,16 @@ class Scheduler:
     def append_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
         """Records a sampled token and finishes the request on eos, a stop id or its length limit."""
         request.output_token_ids.append(token_id)
+        self._check_stop(request, token_id, eos_token_ids)
+
+    def fill_pending_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
+        """Overlapped scheduling: the token sampled in place of the request's PENDING_TOKEN."""
+        if not request.output_token_ids or request.output_token_ids[-1] != PENDING_TOKEN:
+            raise RuntimeError(f"request {request.request_id} has no pending token to fill")
+        request.output_token_ids[-1] = token_id
+        self._check_stop(request, token_id, eos_token_ids)
+
+    def _check_stop(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
         params = request.params
         if len(request.output_token_ids) >= params.min_tokens:
             if not params.ignore_eos and token_id in eos_token_ids:
@@ -230,6 +243,9 @@ class Scheduler:
                 return
         if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
             self.finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def _reaches_length_limit(self, request: Request) -> bool:
+        return len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         if request.is_finished:
