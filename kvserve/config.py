@@ -82,7 +82,8 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_batched_tokens: Optional[int] = _opt(None, "token budget of one engine step (prefill chunks + decodes); "
+                                                       "default 8192 on CUDA, 2048 on CPU")
     max_num_seqs: int = _opt(256, "most requests running at once")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to bound step time")
     cache_aware_scheduling: bool = _opt(False, "admit waiting requests with the longest cached prefix first")
@@ -122,7 +123,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {cache.kv_cache_memory}")
         if not 0.0 < cache.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
-        if sched.max_num_batched_tokens < 1 or sched.max_num_seqs < 1:
+        if (sched.max_num_batched_tokens is not None and sched.max_num_batched_tokens < 1) or sched.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if cache.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {cache.eviction_policy!r}")
