@@ -4,13 +4,17 @@ Shape: 32k context, batch 32 (the issue's point), R1-Distill-Qwen-7B attention (
 4 KV heads, head_dim 128) and Llama-8B (32 / 8 / 128), bf16 queries, blocks of 16 tokens scattered
 at random. The bf16 row is the full-precision Triton kernel (kernels/triton/decode_attention.py);
 the others are the fused-dequant kernel (kernels/triton/decode_attention_quant.py) over random
-payload bytes and scales of each format. Times are CUDA-graph replay medians
-(triton.testing.do_bench, L2 flushed). Also times the quantize-on-write store kernel for one decode
-step's 32 tokens, and optionally (--e2e) end-to-end decode tok/s through the engine at long
-context with dummy weights.
+payload bytes and scales of each format. Each kernel runs once first and then takes the split count
+it picks from its measured occupancy (what a serving step does after its first launch). Times are
+CUDA-graph replay medians (triton.testing.do_bench, L2 flushed); GB/s is the KV bytes a step must
+read (payload + scales) over that time. Also times the quantize-on-write store kernel for one
+decode step's 32 tokens, and optionally (--e2e) end-to-end decode tok/s through the engine at long
+context with dummy weights. --sweep times launch variants of the quantized kernel (tile, warps,
+pipeline stages, value staging, PTX conversion) per format.
 
     python benchmarks/kv_quant_attention_bench.py --json benchmarks/results/kv_quant_attention_h200.json
     python benchmarks/kv_quant_attention_bench.py --quick           # 8k context, one shape
+    python benchmarks/kv_quant_attention_bench.py --sweep --shapes qwen7b --formats int8,fp8_e4m3,int4-g32
 """
 
 from __future__ import annotations
@@ -63,10 +67,7 @@ def random_fill(cache, generator: torch.Generator) -> None:
         cache.window.normal_(generator=generator)
 
 
-def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, block_size: int) -> dict:
-    from kvserve.kernels.triton import paged_decode_attention, store_kv
-    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
-    from kvserve.kernels.triton.kv_store_quant import store_quantized
+def make_caches(shape_name: str, fmt_name: str, context_len: int, batch: int, block_size: int):
     heads, kv_heads, head_dim = SHAPES[shape_name]
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)
@@ -81,27 +82,64 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
     context_lens = torch.full((batch,), context_len, dtype=torch.int32, device=device)
     rows = torch.arange(batch, device=device)
     query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=device, generator=generator)
+    return spec, k_cache, v_cache, tables, context_lens, rows, query, generator
+
+
+def quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query, **options) -> tuple[float, int]:
+    """(graph-replay ms, split count) of the quantized kernel with its own split choice."""
+    from kvserve.kernels.triton.decode_attention import decode_workspace
+    from kvserve.kernels.triton.decode_attention_quant import decode_num_splits_quant, paged_decode_attention_quant
+    batch, heads, head_dim = query.shape
+    scale = head_dim ** -0.5
+    seq_rows = rows if spec.needs_rows else None
     out = torch.empty_like(query)
+    paged_decode_attention_quant(query, k_cache, v_cache, tables, context_lens, scale, seq_rows, out=out,
+                                 **options)                         # compile, measure occupancy
+    split_options = {k: v for k, v in options.items() if k in ("config", "implementation", "asm", "value_staging")}
+    num_splits = decode_num_splits_quant(query, k_cache, v_cache, tables, **split_options)
+    workspace = decode_workspace(batch, heads, head_dim, num_splits, query.device)
+
+    def attend():
+        paged_decode_attention_quant(query, k_cache, v_cache, tables, context_lens, scale, seq_rows, out=out,
+                                     num_splits=num_splits, workspace=workspace, **options)
+    return bench_graphed(attend), num_splits
+
+
+def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, block_size: int,
+              launch: dict | None = None) -> dict:
+    """One (shape, format) point; `launch` (tile, num_warps, num_stages, value_staging, asm) overrides
+    the quantized kernel's default launch."""
+    from kvserve.kernels.triton import paged_decode_attention, store_kv
+    from kvserve.kernels.triton.decode_attention import decode_num_splits, decode_workspace
+    from kvserve.kernels.triton.kv_store_quant import store_quantized
+    spec, k_cache, v_cache, tables, context_lens, rows, query, generator = make_caches(
+        shape_name, fmt_name, context_len, batch, block_size)
+    heads, kv_heads, head_dim = SHAPES[shape_name]
     scale = head_dim ** -0.5
     quantized = not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor))
-    from kvserve.kernels.triton.decode_attention import decode_num_splits, decode_workspace
-    # The same split count for every format (the bf16 kernel's choice), so only the bytes differ.
-    num_splits = decode_num_splits(query, torch.empty(1, block_size, kv_heads, head_dim, dtype=torch.bfloat16,
-                                                      device=device), tables, context_len)
-    workspace = decode_workspace(batch, heads, head_dim, num_splits, device)
-
     if quantized:
-        def attend():
-            paged_decode_attention_quant(query, k_cache, v_cache, tables, context_lens, scale,
-                                         rows if spec.needs_rows else None, out=out, num_splits=num_splits,
-                                         workspace=workspace)
+        options = {}
+        if launch:
+            from dataclasses import replace
+
+            from kvserve.kernels.triton.decode_attention_quant import default_quant_decode_config
+            options = dict(config=replace(default_quant_decode_config(head_dim, query.dtype), tile=launch["tile"],
+                                          num_warps=launch["num_warps"], num_stages=launch["num_stages"]),
+                           value_staging=launch["value_staging"], asm=launch["asm"])
+        attention_ms, num_splits = quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query,
+                                                      **options)
     else:
+        out = torch.empty_like(query)
+        paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale, out=out)
+        num_splits = decode_num_splits(query, k_cache, tables, context_len)
+        workspace = decode_workspace(batch, heads, head_dim, num_splits, query.device)
+
         def attend():
             paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale, out=out,
                                    num_splits=num_splits, workspace=workspace)
-    attention_ms = bench_graphed(attend)
+        attention_ms = bench_graphed(attend)
 
-    new_k = torch.randn(batch, kv_heads, head_dim, dtype=torch.bfloat16, device=device, generator=generator)
+    new_k = torch.randn(batch, kv_heads, head_dim, dtype=torch.bfloat16, device=query.device, generator=generator)
     slots = (tables[:, -1].long() * block_size + block_size - 1)
     if quantized:
         def store():
@@ -116,9 +154,47 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
     store_ms = bench_graphed(store)
     kv_bytes = batch * context_len * spec.bytes_per_token
     return {"shape": shape_name, "format": fmt_name, "context_len": context_len, "batch": batch,
-            "num_splits": num_splits, "bytes_per_token_per_layer": spec.bytes_per_token,
+            "num_splits": num_splits, "launch": launch or "default", "bytes_per_token_per_layer": spec.bytes_per_token,
             "attention_ms": round(attention_ms, 4), "store_ms": round(store_ms, 4),
             "kv_gb_per_s": round(kv_bytes / attention_ms / 1e6, 1)}
+
+
+SWEEP = [  # (tile, num_warps, num_stages, value_staging, asm); each shape is covered by the tests
+    (64, 4, 2, "fp16", True), (64, 4, 3, "fp16", True), (32, 4, 2, "fp16", True), (32, 4, 3, "fp16", True),
+    (128, 8, 2, "fp16", True), (64, 4, 2, "codes", True), (32, 4, 2, "codes", True), (32, 4, 2, "fp16", False),
+]
+
+
+def sweep_section(shapes: list[str], formats: list[str], context_len: int, batch: int, block_size: int) -> list[dict]:
+    from dataclasses import replace
+
+    from kvserve.kernels.triton.decode_attention_quant import default_quant_decode_config
+    rows_out = []
+    for shape_name in shapes:
+        for fmt_name in formats:
+            if fmt_name == "bf16":
+                continue
+            spec, k_cache, v_cache, tables, context_lens, rows, query, _ = make_caches(
+                shape_name, fmt_name, context_len, batch, block_size)
+            base = default_quant_decode_config(query.shape[2], query.dtype)
+            for tile, warps, stages, staging, asm in SWEEP:
+                config = replace(base, tile=tile, num_warps=warps, num_stages=stages)
+                try:
+                    ms, splits = quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query,
+                                                    config=config, asm=asm, value_staging=staging)
+                except Exception as exc:                     # a variant that does not compile
+                    print(f"sweep {shape_name} {fmt_name} {tile}/{warps}/{stages}/{staging}/{asm}: {exc!r}"[:300])
+                    continue
+                gbs = batch * context_len * spec.bytes_per_token / ms / 1e6
+                row = {"shape": shape_name, "format": fmt_name, "tile": tile, "num_warps": warps,
+                       "num_stages": stages, "value_staging": staging, "asm": asm, "num_splits": splits,
+                       "attention_ms": round(ms, 4), "kv_gb_per_s": round(gbs, 1)}
+                rows_out.append(row)
+                print(f"sweep {shape_name:<8}{fmt_name:<18} tile {tile:>3} warps {warps} stages {stages} "
+                      f"{staging:<5} asm {int(asm)} splits {splits:>3} {ms:8.4f} ms {gbs:7.0f} GB/s", flush=True)
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+    return rows_out
 
 
 def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int) -> list[dict]:
@@ -154,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-input-len", type=int, default=16384)
     parser.add_argument("--e2e-output-len", type=int, default=64)
     parser.add_argument("--e2e-batch", type=int, default=16)
+    parser.add_argument("--sweep", action="store_true", help="time launch variants of the quantized kernel")
+    parser.add_argument("--launch-from", default=None,
+                        help="a --sweep JSON: each format runs with its fastest launch there (any shape)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -162,23 +241,46 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.context_len, args.shapes = 8192, "qwen7b"
     formats = [f for f in args.formats.split(",") if f]
+    if args.sweep:
+        from kvserve.kernels.triton.decode_attention_quant import measured_quant_occupancy
+        rows = sweep_section(args.shapes.split(","), formats, args.context_len, args.batch, args.block_size)
+        record = {"command": "python benchmarks/kv_quant_attention_bench.py " + " ".join(argv or sys.argv[1:]),
+                  "gpu": torch.cuda.get_device_name(), "sweep": rows, "occupancy": measured_quant_occupancy()}
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(record, indent=2))
+        return 0
+    launches = {}
+    if args.launch_from:
+        for row in json.loads(Path(args.launch_from).read_text())["sweep"]:
+            best = launches.get(row["format"])
+            if best is None or row["attention_ms"] < best[0]:
+                launches[row["format"]] = (row["attention_ms"], {k: row[k] for k in (
+                    "tile", "num_warps", "num_stages", "value_staging", "asm")})
     points = []
     for shape in args.shapes.split(","):
         for fmt_name in formats:
-            point = one_point(shape, fmt_name, args.context_len, args.batch, args.block_size)
+            family = "int4-g32" if fmt_name.startswith("int4") else ("int8" if "int8" in fmt_name else fmt_name)
+            launch = launches.get(fmt_name, launches.get(family, (None, None)))[1]
+            point = one_point(shape, fmt_name, args.context_len, args.batch, args.block_size, launch)
             points.append(point)
             torch.cuda.empty_cache()
     for point in points:
         base = next(p for p in points if p["shape"] == point["shape"] and p["format"] == "bf16")
         point["speedup_vs_bf16"] = round(base["attention_ms"] / point["attention_ms"], 3)
-    header = f"{'shape':<9}{'format':<20}{'B/tok/layer':>12}{'attn ms':>10}{'GB/s':>9}{'vs bf16':>9}{'store ms':>10}"
+    header = (f"{'shape':<9}{'format':<20}{'B/tok/layer':>12}{'splits':>7}{'attn ms':>10}{'GB/s':>9}{'vs bf16':>9}"
+              f"{'store ms':>10}")
     print(header)
     for p in points:
-        print(f"{p['shape']:<9}{p['format']:<20}{p['bytes_per_token_per_layer']:>12}{p['attention_ms']:>10.3f}"
-              f"{p['kv_gb_per_s']:>9.0f}{p['speedup_vs_bf16']:>9.2f}{p['store_ms']:>10.4f}")
+        print(f"{p['shape']:<9}{p['format']:<20}{p['bytes_per_token_per_layer']:>12}{p['num_splits']:>7}"
+              f"{p['attention_ms']:>10.3f}{p['kv_gb_per_s']:>9.0f}{p['speedup_vs_bf16']:>9.2f}{p['store_ms']:>10.4f}")
+    import triton
+
+    from kvserve.kernels.triton.decode_attention_quant import measured_quant_occupancy
     record = {"command": "python benchmarks/kv_quant_attention_bench.py " + " ".join(argv or sys.argv[1:]),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform(),
-              "points": points}
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "platform": platform.platform(), "points": points,
+              "quant_kernel_programs_per_sm": measured_quant_occupancy()}
     if args.e2e:
         record["e2e"] = e2e_section(formats, args.e2e_input_len, args.e2e_output_len, args.e2e_batch)
     if args.json:

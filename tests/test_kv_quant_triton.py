@@ -7,7 +7,10 @@ Runs on CUDA; skipped without it unless TRITON_INTERPRET=1 (Triton's CPU interpr
 Tolerances: the store is bit-exact (payload and fp16 scales) on the GPU; the interpreter emulates
 fp32 -> e4m3 conversion with a carry bug at binade edges, so there fp8 payloads may differ in a
 few codes. Decode attention compares against the reference on the same stored bytes, with the
-full-precision kernels' tolerances per dtype (tests/test_triton_kernels.py).
+full-precision kernels' tolerances per dtype (tests/test_triton_kernels.py), for both decode
+kernels: the fast one (segments, scales applied after the dots, inline-PTX code conversion on the
+GPU) and the generic one (element-wise dequantization), which also serves layouts the fast one
+does not take (groups of fewer than 16 elements, say).
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ CASES = [
     {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 7, "kv_quant_sinks": 2},
     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto", "kv_quant_window": 5, "kv_quant_sinks": 3},
+]
+# Layouts beyond the store cases: 8-bit groups (several scales per head: segments), keys int4 and
+# values plain with a window, and groups too small for the fast kernel (generic only).
+DECODE_CASES = CASES + [
+    {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
+    {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "auto", "kv_quant_group_size": 16},
+    {"kv_cache_dtype_k": "fp8_e4m3", "kv_cache_dtype_v": "int4", "kv_quant_window": 0, "kv_quant_sinks": 3},
+    {"kv_cache_dtype": "int8", "kv_quant_group_size": 8},
 ]
 SHAPES = [(6, 2, 64), (28, 4, 128)] if not INTERPRET else [(6, 2, 64)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if not INTERPRET else [torch.float32, torch.bfloat16]
@@ -97,7 +108,12 @@ def _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_
     return k_cache, v_cache
 
 
-@pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def _implementations(query, k_cache, v_cache):
+    from kvserve.kernels.triton.decode_attention_quant import fast_kernel_supported
+    return (["fast"] if fast_kernel_supported(query, k_cache, v_cache) else []) + ["generic"]
+
+
+@pytest.mark.parametrize("options", DECODE_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_dequant_decode_matches_reference(options, shape, dtype):
@@ -115,10 +131,81 @@ def test_fused_dequant_decode_matches_reference(options, shape, dtype):
     want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
                                                   rows if spec.needs_rows else None)
     atol, rtol = TOL[dtype]
+    implementations = _implementations(query, k_cache, v_cache)
+    group = options.get("kv_quant_group_size")
+    if group is None or (group >= 16 and head_dim // group <= 4):
+        assert implementations[0] == "fast"
+    for implementation in implementations:
+        for num_splits in (1, 3):
+            got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+                                               rows if spec.needs_rows else None, num_splits=num_splits,
+                                               implementation=implementation)
+            torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
+                                       msg=lambda m: f"{implementation}, {num_splits} splits: {m}")
+
+
+@pytest.mark.parametrize("tile,staging", [(32, "fp16"), (128, "fp16"), (64, "codes"), (32, "codes")])
+@pytest.mark.parametrize("options", [CASES[0], CASES[2], DECODE_CASES[7], DECODE_CASES[9]],
+                         ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_fast_decode_kernel_launch_variants(options, tile, staging):
+    """The fast kernel's tile and value staging are launch choices: they give the same result
+    (windows, sinks and split edges then fall elsewhere in the tiles)."""
+    from dataclasses import replace
+
+    from kvserve.kernels.triton.decode_attention_quant import (default_quant_decode_config,
+                                                               paged_decode_attention_quant)
+    torch.manual_seed(5)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    heads, kv_heads, head_dim = SHAPES[-1]
+    block_size, num_blocks, num_rows = 16, 64, 4
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, **options)
+    lens = torch.tensor([300, 17, 0, 150] if not INTERPRET else [70, 17, 0, 40])
+    tables = torch.stack([torch.randperm(num_blocks)[:20] for _ in range(4)])
+    rows = torch.tensor([2, 0, 1, 3])
+    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_rows)
+    query = torch.randn(4, heads, head_dim).to(dtype).to(DEVICE)
+    tables, lens, rows = tables.to(DEVICE), lens.to(DEVICE), rows.to(DEVICE)
+    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+                                                  rows if spec.needs_rows else None)
+    config = replace(default_quant_decode_config(head_dim, dtype), tile=tile if not INTERPRET else tile // 2,
+                     num_warps=8 if tile == 128 and not INTERPRET else 4)
     for num_splits in (1, 3):
         got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
-                                           rows if spec.needs_rows else None, num_splits=num_splits)
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+                                           rows if spec.needs_rows else None, num_splits=num_splits,
+                                           implementation="fast", config=config, value_staging=staging)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("parts", ["kv", "k", "v"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
+def test_decode_with_static_scales_matches_reference(name, parts, tmp_path):
+    """Static per-channel scales: folded into the query (keys) and into each tile's update (values),
+    with a window so that exact ring rows must not be scaled."""
+    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+    from kvserve.kvcache.quant import save_scales
+    torch.manual_seed(4)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    heads, kv_heads, head_dim, block_size, num_blocks, num_rows = 6, 2, 64, 16, 64, 4
+    absmax = {f"layers.0.{p}": torch.rand(kv_heads, head_dim) * 3 + 0.5 for p in "kv"}
+    path = tmp_path / "scales.json"
+    save_scales(str(path), absmax, {})
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, kv_cache_dtype=name, kv_scales_file=str(path),
+                               kv_static_scale_parts=parts, kv_quant_window=6, kv_quant_sinks=2)
+    lens = torch.tensor([70, 17, 0, 40])
+    tables = torch.stack([torch.randperm(num_blocks)[:20] for _ in range(4)])
+    rows = torch.tensor([2, 0, 1, 3])
+    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_rows)
+    query = torch.randn(4, heads, head_dim).to(dtype).to(DEVICE)
+    tables, lens, rows = tables.to(DEVICE), lens.to(DEVICE), rows.to(DEVICE)
+    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, rows)
+    atol, rtol = TOL[dtype]
+    implementations = _implementations(query, k_cache, v_cache)
+    assert implementations[0] == "fast"
+    for implementation in implementations:
+        got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, rows,
+                                           num_splits=2, implementation=implementation)
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{implementation}: {m}")
 
 
 @pytest.mark.parametrize("options", CASES[:4], ids=lambda o: "-".join(f"{v}" for v in o.values()))

@@ -1,32 +1,593 @@
 """Paged decode attention that reads a quantized KV cache directly (fused dequantization).
 
-Reference: `kvserve.kernels.quant_reference.paged_decode_attention`. Same design as
-decode_attention.py (grid batch x kv_heads x splits, GQA group served from one K/V tile load,
-online softmax in fp32, split-KV with the same combine kernel and split heuristic), with each part
-(K, V) read in its own format:
-- plain: the model-dtype cache, as in decode_attention.py;
-- int8 / fp8-e4m3: one byte per element, times the token's fp16 group scale (or the static
-  per-channel scale) in fp32, then cast to the query dtype for the tensor-core dot;
-- int4: byte `d % (head_dim/2)` of the token's row, shifted by 4 for the upper half of the head.
-Where a quantized part keeps a full-precision window (sinks + most recent tokens of each sequence,
-kvserve.kvcache.quant), positions inside it are read from the ring instead. The bytes a step reads
-shrink with the format, which is what makes long-context decode faster: the kernel is bandwidth bound.
-CUDA-graph safe like decode_attention.py: context lengths, block tables and sequence rows are read
-on the device only.
+Reference: `kvserve.kernels.quant_reference.paged_decode_attention`. Same grid and split-KV scheme as
+decode_attention.py (batch x kv_heads x splits, the GQA group served from one K/V tile load, online
+softmax in fp32, the same combine kernel and wave-filling split heuristic), with each part (K, V)
+read in its own format.
+
+Fast kernel (`_decode_split_quant_kernel`; head_dim a power of 2, scale groups of >= 16 elements):
+the head is cut into at most 4 *segments* of SEG columns whose elements share one scale per token
+(the whole head for 8-bit per-token scales; each half of the head for int4, whose bytes hold
+element i and i + head_dim/2; one group each for smaller groups). A segment's codes are converted
+to exact fp16 values (int8, fp8-e4m3 and int4 codes all are fp16 numbers) and go into the
+tensor-core dots unscaled; the scales are applied where they cost [group rows x tile] multiplies
+instead of [tile x head_dim]:
+- keys: q . (s_t k_t) = s_t (q . k_t): each segment's [heads, tile] scores times its per-token scale;
+  static per-channel scales are folded into the query once per program;
+- values: sum_t p_t s_t v_t: the probabilities times the segment's per-token scale (divided by the
+  tile's largest scale, so fp16 keeps them in range; the update is multiplied back), one
+  accumulator per segment; int4 chunks whose two nibbles have different groups scale the fp16
+  codes instead (one packed multiply per two elements), so both dots share one probability
+  operand; static per-channel scales multiply each tile's update.
+Bytes become fp16 without the GPU's slow int/float conversion instructions: inline PTX puts each
+code under an fp16 exponent (1024 + code) with byte permutes and subtracts the bias with packed
+fp16 arithmetic (4 int8 or 8 int4 values per few instructions); e4m3 uses the hardware's packed
+e4m3 -> f16 conversion. A bf16 query enters the fp16 dots scaled by 2^-8 (exact; keeps any bf16
+magnitude inside fp16's range) and the scores are scaled back. fp32 queries (and the interpreter)
+use the same structure with fp32 dots. Value codes are converted before their shared-memory
+staging (an impure asm op keeps the compiler from moving the conversion after it), so the 16-bit
+tile is read with transposing ldmatrix rather than a byte load per element.
+The cache block size is a compile-time constant (a position's block and offset are a shift and a
+mask, not an integer division per row and register layout), and the 2-byte scale gathers, which
+the compiler's cp.async pipeline does not take, run one tile ahead of their use from block ids
+loaded one tile earlier still, so no iteration waits on a global-memory round trip.
+Positions that a part's full-precision window holds (sinks and the most recent tokens,
+kvserve.kvcache.quant) are not in the quantized loop: each split runs its quantized positions,
+then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
+full-precision part).
+
+Generic kernel (`_decode_split_quant_generic_kernel`): any head_dim and group, dequantizes each
+tile element by element in fp32 and overlays ring rows; used where the fast one does not apply.
+
+Both are CUDA-graph safe like decode_attention.py: context lengths, block tables and sequence rows
+are read on the device only.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kvserve.kernels.triton._common import interpreting, next_power_of_2
-from kvserve.kernels.triton.decode_attention import (LOG2_E, DecodeConfig, _decode_combine_kernel, _split_length,
-                                                     choose_num_splits, decode_workspace, default_decode_config)
+from kvserve.kernels.triton.decode_attention import (LOG2_E, DecodeConfig, _decode_combine_kernel, _resident_programs,
+                                                     _split_length, choose_num_splits, decode_workspace,
+                                                     default_decode_config)
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
+# 4 int8 codes (one register) -> 4 exact fp16 values (two registers): code ^ 0x80 = code + 128 in
+# [0, 255] as the low byte under the exponent byte 0x64 is the fp16 1024 + code + 128; subtract 1152.
+_INT8_TO_F16 = tl.constexpr(
+    "{\n"
+    ".reg .b32 t, bias;\n"
+    "xor.b32 t, $2, 0x80808080;\n"
+    "prmt.b32 $0, t, 0x64646464, 0x4140;\n"
+    "prmt.b32 $1, t, 0x64646464, 0x4342;\n"
+    "mov.b32 bias, 0x64806480;\n"
+    "sub.f16x2 $0, $0, bias;\n"
+    "sub.f16x2 $1, $1, bias;\n"
+    "}")
+# 4 int4 bytes -> their 4 low nibbles and 4 high nibbles as exact fp16 codes (nibble - 8):
+# 1024 + nibble under the exponent byte 0x64, minus 1032.
+_INT4_TO_F16 = tl.constexpr(
+    "{\n"
+    ".reg .b32 lo, hi, bias;\n"
+    "and.b32 lo, $4, 0x0F0F0F0F;\n"
+    "shr.u32 hi, $4, 4;\n"
+    "and.b32 hi, hi, 0x0F0F0F0F;\n"
+    "prmt.b32 $0, lo, 0x64646464, 0x4140;\n"
+    "prmt.b32 $1, lo, 0x64646464, 0x4342;\n"
+    "prmt.b32 $2, hi, 0x64646464, 0x4140;\n"
+    "prmt.b32 $3, hi, 0x64646464, 0x4342;\n"
+    "mov.b32 bias, 0x64086408;\n"
+    "sub.f16x2 $0, $0, bias;\n"
+    "sub.f16x2 $1, $1, bias;\n"
+    "sub.f16x2 $2, $2, bias;\n"
+    "sub.f16x2 $3, $3, bias;\n"
+    "}")
+# 4 e4m3 bytes -> 4 fp16 values with the hardware's packed conversion (sm_89+).
+_E4M3_TO_F16 = tl.constexpr(
+    "{\n"
+    ".reg .b16 lo, hi;\n"
+    "mov.b32 {lo, hi}, $2;\n"
+    "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+    "cvt.rn.f16x2.e4m3x2 $1, hi;\n"
+    "}")
+# A bf16 query enters fp16 dots times this (a power of 2: exact), so that no bf16 value overflows.
+BF16_QUERY_PRESCALE = 2.0 ** -8
 
+
+# --- fast kernel --------------------------------------------------------------------------------
+@triton.jit
+def _codes_8bit(raw, FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
+    """int8 / e4m3 bytes -> the exact code values in DOT_DTYPE (unscaled). PURE=False keeps the
+    compiler from moving the conversion after the shared-memory staging of a dot operand (see
+    _value_segment)."""
+    if ASM:
+        if FORMAT == 1:
+            codes = tl.inline_asm_elementwise(_INT8_TO_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
+                                              pack=4)
+        else:
+            codes = tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
+                                              pack=4)
+    else:
+        if FORMAT == 1:
+            codes = raw.to(DOT_DTYPE)
+        else:
+            codes = raw.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+    return codes
+
+
+@triton.jit
+def _codes_int4(raw, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
+    """int4 bytes -> (low-nibble codes, high-nibble codes) in DOT_DTYPE."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(_INT4_TO_F16, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
+                                              is_pure=PURE, pack=4)
+    else:
+        low = ((raw & 0xF).to(tl.int8) - 8).to(DOT_DTYPE)
+        high = ((raw >> 4).to(tl.int8) - 8).to(DOT_DTYPE)
+    return low, high
+
+
+@triton.jit
+def _segment_scales(scales_ptr, scale_rows, valid, NSEG: tl.constexpr, SEG: tl.constexpr, GROUP: tl.constexpr,
+                    SCALED: tl.constexpr, TILE: tl.constexpr):
+    """fp16 [TILE] scale of each (up to 4) segment of a tile's tokens (0 past the valid positions;
+    entries past NSEG, or without dynamic scales, are placeholders)."""
+    if SCALED:
+        s0 = tl.load(scales_ptr + scale_rows, mask=valid, other=0.0)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        if NSEG > 1:
+            if SEG // GROUP != 0:                    # int4 with one scale per head: both halves share it
+                s1 = tl.load(scales_ptr + scale_rows + SEG // GROUP, mask=valid, other=0.0)
+        if NSEG > 2:
+            s2 = tl.load(scales_ptr + scale_rows + 2 * SEG // GROUP, mask=valid, other=0.0)
+            s3 = tl.load(scales_ptr + scale_rows + 3 * SEG // GROUP, mask=valid, other=0.0)
+    else:
+        s0 = tl.zeros([TILE], tl.float16)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _query_segment(q_rows, group_mask, static_ptr, kv_head, SEGMENT: tl.constexpr, SEG: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, STATIC: tl.constexpr, PRESCALE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The group's queries over one segment's columns [GROUP_PAD, SEG] in DOT_DTYPE, times the static
+    per-channel key scales when the keys have them."""
+    cols = SEGMENT * SEG + tl.arange(0, SEG)
+    q = tl.load(q_rows[:, None] + cols[None, :], mask=group_mask[:, None], other=0.0).to(tl.float32)
+    if STATIC:
+        q = q * tl.load(static_ptr + kv_head * HEAD_DIM + cols)[None, :]
+    return (q * PRESCALE).to(DOT_DTYPE)
+
+
+@triton.jit
+def _key_segment(q_seg, ptr, rows, valid, scale, SEGMENT: tl.constexpr, SEG: tl.constexpr, FORMAT: tl.constexpr,
+                 SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr):
+    """[GROUP_PAD, TILE] scores of one segment of plain or 8-bit keys."""
+    cols = SEGMENT * SEG + tl.arange(0, SEG)
+    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    if FORMAT == 0:
+        keys = raw.to(DOT_DTYPE)
+    else:
+        keys = _codes_8bit(raw, FORMAT, DOT_DTYPE, ASM, True)
+    part = tl.dot(q_seg, tl.trans(keys), input_precision=PRECISION)
+    if SCALED:
+        part = part * scale.to(tl.float32)[None, :]
+    return part
+
+
+@triton.jit
+def _key_int4_chunk(q_low, q_high, ptr, rows, valid, low_scale, high_scale, CHUNK: tl.constexpr,
+                    SEG: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of one chunk of int4 key bytes: its low nibbles are segment CHUNK, its high nibbles the
+    segment head_dim/2 further. (Masked positions read 0, codes -8: their scores become -inf, their
+    probabilities and scales 0; any other fill value would cost a select per byte after cp.async.)"""
+    cols = CHUNK * SEG + tl.arange(0, SEG)
+    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    low, high = _codes_int4(raw, DOT_DTYPE, ASM, True)
+    LOW_GROUP: tl.constexpr = CHUNK * SEG // GROUP
+    HIGH_GROUP: tl.constexpr = (HEAD_DIM // 2 + CHUNK * SEG) // GROUP
+    if SCALED and LOW_GROUP != HIGH_GROUP:
+        part = tl.dot(q_low, tl.trans(low), input_precision=PRECISION) * low_scale.to(tl.float32)[None, :]
+        part += tl.dot(q_high, tl.trans(high), input_precision=PRECISION) * high_scale.to(tl.float32)[None, :]
+    else:
+        part = tl.dot(q_low, tl.trans(low), input_precision=PRECISION)
+        part = tl.dot(q_high, tl.trans(high), acc=part, input_precision=PRECISION)
+        if SCALED:
+            part = part * low_scale.to(tl.float32)[None, :]
+    return part
+
+
+@triton.jit
+def _key_scores(q0, q1, q2, q3, ptr, rows, valid, s0, s1, s2, s3, FORMAT: tl.constexpr,
+                NSEG: tl.constexpr, SEG: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr):
+    """[GROUP_PAD, TILE] raw scores (q . k) of a tile, over all key segments."""
+    if FORMAT == 3:
+        if NSEG == 2:
+            scores = _key_int4_chunk(q0, q1, ptr, rows, valid, s0, s1, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
+                                     ASM, PRECISION)
+        else:
+            scores = _key_int4_chunk(q0, q2, ptr, rows, valid, s0, s2, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
+                                     ASM, PRECISION)
+            scores += _key_int4_chunk(q1, q3, ptr, rows, valid, s1, s3, 1, SEG, GROUP, HEAD_DIM, SCALED,
+                                      DOT_DTYPE, ASM, PRECISION)
+    else:
+        scores = _key_segment(q0, ptr, rows, valid, s0, 0, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+        if NSEG > 1:
+            scores += _key_segment(q1, ptr, rows, valid, s1, 1, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+        if NSEG > 2:
+            scores += _key_segment(q2, ptr, rows, valid, s2, 2, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+            scores += _key_segment(q3, ptr, rows, valid, s3, 3, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+    return scores
+
+
+@triton.jit
+def _weighted(probs, values, scale, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """sum_t probs[:, t] * scale[t] * values[t, :]: the scales, divided by the tile's largest, go on
+    the probabilities (which stay in [0, 1] for fp16); the largest multiplies the result."""
+    scale = scale.to(tl.float32)
+    top = tl.max(scale, axis=0)
+    weights = (probs * (scale / top)[None, :]).to(DOT_DTYPE)
+    return tl.dot(weights, values, input_precision=PRECISION) * top
+
+
+@triton.jit
+def _value_segment(probs, ptr, rows, valid, scale, SEGMENT: tl.constexpr, SEG: tl.constexpr, FORMAT: tl.constexpr,
+                   SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, V_PURE: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """[GROUP_PAD, SEG] P@V update of one segment of plain or 8-bit values.
+
+    Values are the dot's B operand with the reduction running over tokens, which are not adjacent
+    in memory: from 8-bit data in shared memory that costs a byte load per element. Converting the
+    codes to fp16 first (V_PURE=False stops the compiler from moving the conversion past the
+    staging) lets the 16-bit tile be read with transposing ldmatrix instead."""
+    cols = SEGMENT * SEG + tl.arange(0, SEG)
+    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    if FORMAT == 0:
+        values = raw.to(DOT_DTYPE)
+    else:
+        values = _codes_8bit(raw, FORMAT, DOT_DTYPE, ASM, V_PURE)
+    if SCALED:
+        update = _weighted(probs, values, scale, DOT_DTYPE, PRECISION)
+    else:
+        update = tl.dot(probs.to(DOT_DTYPE), values, input_precision=PRECISION)
+    return update
+
+
+@triton.jit
+def _value_int4_chunk(probs, ptr, rows, valid, low_scale, high_scale, CHUNK: tl.constexpr, SEG: tl.constexpr,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr):
+    """(low segment update, high segment update) of one chunk of int4 value bytes."""
+    cols = CHUNK * SEG + tl.arange(0, SEG)
+    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    low, high = _codes_int4(raw, DOT_DTYPE, ASM, V_PURE)
+    LOW_GROUP: tl.constexpr = CHUNK * SEG // GROUP
+    HIGH_GROUP: tl.constexpr = (HEAD_DIM // 2 + CHUNK * SEG) // GROUP
+    if SCALED and LOW_GROUP == HIGH_GROUP:
+        scale = low_scale.to(tl.float32)
+        top = tl.max(scale, axis=0)
+        weights = (probs * (scale / top)[None, :]).to(DOT_DTYPE)
+        low_update = tl.dot(weights, low, input_precision=PRECISION) * top
+        high_update = tl.dot(weights, high, input_precision=PRECISION) * top
+    else:
+        if SCALED:
+            # Two scales per token: scaling the codes (a packed fp16 multiply per two elements,
+            # before the staging) lets both dots share one probability operand.
+            low = low * low_scale.to(DOT_DTYPE)[:, None]
+            high = high * high_scale.to(DOT_DTYPE)[:, None]
+        weights = probs.to(DOT_DTYPE)
+        low_update = tl.dot(weights, low, input_precision=PRECISION)
+        high_update = tl.dot(weights, high, input_precision=PRECISION)
+    return low_update, high_update
+
+
+@triton.jit
+def _value_updates(probs, ptr, rows, valid, s0, s1, s2, s3, FORMAT: tl.constexpr, NSEG: tl.constexpr,
+                   SEG: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr):
+    """Updates of the (up to 4) value segments; entries past NSEG repeat the first (unused)."""
+    if FORMAT == 3:
+        if NSEG == 2:
+            u0, u1 = _value_int4_chunk(probs, ptr, rows, valid, s0, s1, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
+                                       ASM, V_PURE, PRECISION)
+            u2 = u0
+            u3 = u0
+        else:
+            u0, u2 = _value_int4_chunk(probs, ptr, rows, valid, s0, s2, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
+                                       ASM, V_PURE, PRECISION)
+            u1, u3 = _value_int4_chunk(probs, ptr, rows, valid, s1, s3, 1, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
+                                       ASM, V_PURE, PRECISION)
+    else:
+        u0 = _value_segment(probs, ptr, rows, valid, s0, 0, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE, PRECISION)
+        u1 = u0
+        u2 = u0
+        u3 = u0
+        if NSEG > 1:
+            u1 = _value_segment(probs, ptr, rows, valid, s1, 1, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE,
+                                PRECISION)
+        if NSEG > 2:
+            u2 = _value_segment(probs, ptr, rows, valid, s2, 2, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE,
+                                PRECISION)
+            u3 = _value_segment(probs, ptr, rows, valid, s3, 3, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE,
+                                PRECISION)
+    return u0, u1, u2, u3
+
+
+@triton.jit
+def _exact_value_segment(probs, ptr, rows, valid, SEGMENT: tl.constexpr, SEG: tl.constexpr,
+                         DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    cols = SEGMENT * SEG + tl.arange(0, SEG)
+    values = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+    return tl.dot(probs.to(DOT_DTYPE), values, input_precision=PRECISION)
+
+
+@triton.jit
+def _static_segment(static_ptr, kv_head, SEGMENT: tl.constexpr, SEG: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    STATIC: tl.constexpr):
+    """[1, SEG] static per-channel value scales of a segment (ones without static scales)."""
+    cols = SEGMENT * SEG + tl.arange(0, SEG)
+    if STATIC:
+        scale = tl.load(static_ptr + kv_head * HEAD_DIM + cols)[None, :]
+    else:
+        scale = tl.full([1, SEG], 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
+def _store_segment(acc, safe_sum, seq, heads, group_mask, split, out_ptr, partial_out_ptr, write_final,
+                   out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
+                   SEGMENT: tl.constexpr, SEG: tl.constexpr):
+    cols = SEGMENT * SEG + tl.arange(0, SEG)
+    result = acc / safe_sum[:, None]
+    if write_final != 0:
+        tl.store(out_ptr + seq * out_stride_seq + heads[:, None] * out_stride_head + cols[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+    else:
+        tl.store(partial_out_ptr + seq * partial_stride_seq + heads[:, None] * partial_stride_head
+                 + split * partial_stride_split + cols[None, :], result, mask=group_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits", "block_table_stride_seq", "block_size", "write_final"])
+def _decode_split_quant_kernel(
+        query_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, k_static_ptr, v_static_ptr, k_ring_ptr, v_ring_ptr,
+        seq_rows_ptr, block_tables_ptr, context_lens_ptr,
+        out_ptr, partial_out_ptr, partial_lse_ptr,
+        scale_log2, key_scale_log2, num_splits, block_size, write_final,
+        query_stride_seq, query_stride_head,
+        out_stride_seq, out_stride_head,
+        block_table_stride_seq,
+        k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+        ks_stride_block, ks_stride_token, ks_stride_head, vs_stride_block, vs_stride_token, vs_stride_head,
+        ring_stride_token, ring_stride_head,
+        partial_stride_seq, partial_stride_head, partial_stride_split,
+        lse_stride_seq, lse_stride_head,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        TILE: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
+        K_FORMAT: tl.constexpr, V_FORMAT: tl.constexpr, K_NSEG: tl.constexpr, V_NSEG: tl.constexpr,
+        K_SEG: tl.constexpr, V_SEG: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
+        K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, K_STATIC: tl.constexpr, V_STATIC: tl.constexpr,
+        K_RING: tl.constexpr, V_RING: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr,
+        K_DOT: tl.constexpr, V_DOT: tl.constexpr, EXACT_DOT: tl.constexpr, K_PRESCALE: tl.constexpr,
+        K_ASM: tl.constexpr, V_ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr):
+    # BLOCK_SIZE (the cache's, fixed for an engine) is a compile-time constant here: a position's
+    # block and offset are then a shift and a mask, not an integer division per row and layout,
+    # which dominated the loop's instructions. (`block_size`, the runtime twin, is unused.)
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    split_len = _split_length(context_len, num_splits, TILE, MIN_SPLIT_TOKENS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+    if write_final == 0:
+        if start >= context_len:
+            return
+    RING: tl.constexpr = SINKS + WINDOW > 0
+    seq_row = 0
+    if RING:
+        seq_row = tl.load(seq_rows_ptr + seq).to(tl.int64)
+
+    groups = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + groups
+    group_mask = groups < GROUP
+    q_rows = query_ptr + seq * query_stride_seq + heads * query_stride_head
+    q0 = _query_segment(q_rows, group_mask, k_static_ptr, kv_head, 0, K_SEG, HEAD_DIM, K_STATIC, K_PRESCALE, K_DOT)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if K_NSEG > 1:
+        q1 = _query_segment(q_rows, group_mask, k_static_ptr, kv_head, 1, K_SEG, HEAD_DIM, K_STATIC, K_PRESCALE,
+                            K_DOT)
+    if K_NSEG > 2:
+        q2 = _query_segment(q_rows, group_mask, k_static_ptr, kv_head, 2, K_SEG, HEAD_DIM, K_STATIC, K_PRESCALE,
+                            K_DOT)
+        q3 = _query_segment(q_rows, group_mask, k_static_ptr, kv_head, 3, K_SEG, HEAD_DIM, K_STATIC, K_PRESCALE,
+                            K_DOT)
+    # Static per-channel value scales multiply each tile's update of the quantized positions.
+    vs_static0 = _static_segment(v_static_ptr, kv_head, 0, V_SEG, HEAD_DIM, V_STATIC)
+    vs_static1 = vs_static0
+    vs_static2 = vs_static0
+    vs_static3 = vs_static0
+    if V_STATIC:
+        if V_NSEG > 1:
+            vs_static1 = _static_segment(v_static_ptr, kv_head, 1, V_SEG, HEAD_DIM, V_STATIC)
+        if V_NSEG > 2:
+            vs_static2 = _static_segment(v_static_ptr, kv_head, 2, V_SEG, HEAD_DIM, V_STATIC)
+            vs_static3 = _static_segment(v_static_ptr, kv_head, 3, V_SEG, HEAD_DIM, V_STATIC)
+
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc0 = tl.zeros([GROUP_PAD, V_SEG], tl.float32)
+    acc1 = tl.zeros([GROUP_PAD, V_SEG], tl.float32)
+    acc2 = tl.zeros([GROUP_PAD, V_SEG], tl.float32)
+    acc3 = tl.zeros([GROUP_PAD, V_SEG], tl.float32)
+    table_row = block_tables_ptr + seq * block_table_stride_seq
+
+    # Quantized positions of this split: past the sinks, before the window.
+    quant_start = start
+    quant_end = end
+    ring_from = context_len
+    if RING:
+        ring_from = tl.maximum(context_len - WINDOW, SINKS)
+        quant_start = tl.maximum(start, SINKS)
+        quant_end = tl.minimum(end, ring_from)
+    # Scales are 2-byte gathers the compiler does not pipeline; loaded in the iteration that uses
+    # them they would wait on a global-memory round trip each tile (after the block ids'). They run
+    # ahead instead: each iteration loads the next tile's scales from block ids it loaded one
+    # iteration earlier (scale_blocks: the next tile's; scale_blocks_after: the one after). The K/V
+    # tiles' own block ids and bytes are prefetched by the compiler's cp.async pipeline.
+    lanes = tl.arange(0, TILE)
+    ahead = quant_start + lanes
+    scale_blocks = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < quant_end, other=0)
+    ks_rows = scale_blocks.to(tl.int64) * ks_stride_block + ((ahead % BLOCK_SIZE) * ks_stride_token
+                                                             + kv_head * ks_stride_head)
+    ks0, ks1, ks2, ks3 = _segment_scales(k_scales_ptr, ks_rows, ahead < quant_end, K_NSEG, K_SEG, K_GROUP, K_SCALED,
+                                         TILE)
+    vs_rows = scale_blocks.to(tl.int64) * vs_stride_block + ((ahead % BLOCK_SIZE) * vs_stride_token
+                                                             + kv_head * vs_stride_head)
+    vs0, vs1, vs2, vs3 = _segment_scales(v_scales_ptr, vs_rows, ahead < quant_end, V_NSEG, V_SEG, V_GROUP, V_SCALED,
+                                         TILE)
+    ahead = ahead + TILE
+    scale_blocks = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < quant_end, other=0)
+    for tile_start in range(quant_start, quant_end, TILE):
+        positions = tile_start + lanes
+        valid = positions < quant_end
+        blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offsets = positions % BLOCK_SIZE
+        if K_SCALED or V_SCALED:
+            ahead = positions + 2 * TILE
+            scale_blocks_after = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < quant_end, other=0)
+            ahead = positions + TILE
+            next_blocks = scale_blocks.to(tl.int64)
+            next_offsets = ahead % BLOCK_SIZE
+        if K_SCALED:
+            ks_rows = next_blocks * ks_stride_block + (next_offsets * ks_stride_token + kv_head * ks_stride_head)
+            nks0, nks1, nks2, nks3 = _segment_scales(k_scales_ptr, ks_rows, ahead < quant_end, K_NSEG, K_SEG, K_GROUP,
+                                                     K_SCALED, TILE)
+        if V_SCALED:
+            vs_rows = next_blocks * vs_stride_block + (next_offsets * vs_stride_token + kv_head * vs_stride_head)
+            nvs0, nvs1, nvs2, nvs3 = _segment_scales(v_scales_ptr, vs_rows, ahead < quant_end, V_NSEG, V_SEG, V_GROUP,
+                                                     V_SCALED, TILE)
+
+        k_rows = blocks * k_stride_block + (offsets * k_stride_token + kv_head * k_stride_head)
+        scores = _key_scores(q0, q1, q2, q3, k_ptr, k_rows, valid, ks0, ks1, ks2, ks3, K_FORMAT, K_NSEG, K_SEG,
+                             K_GROUP, HEAD_DIM, K_SCALED, K_DOT, K_ASM, PRECISION)
+        scores = tl.where(valid[None, :], scores * key_scale_log2, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        running_max = new_max
+        v_rows = blocks * v_stride_block + (offsets * v_stride_token + kv_head * v_stride_head)
+        u0, u1, u2, u3 = _value_updates(probs, v_ptr, v_rows, valid, vs0, vs1, vs2, vs3, V_FORMAT, V_NSEG, V_SEG,
+                                        V_GROUP, HEAD_DIM, V_SCALED, V_DOT, V_ASM, V_PURE, PRECISION)
+        if V_STATIC:
+            u0 = u0 * vs_static0
+            u1 = u1 * vs_static1
+            u2 = u2 * vs_static2
+            u3 = u3 * vs_static3
+        acc0 = acc0 * rescale[:, None] + u0
+        if V_NSEG > 1:
+            acc1 = acc1 * rescale[:, None] + u1
+        if V_NSEG > 2:
+            acc2 = acc2 * rescale[:, None] + u2
+            acc3 = acc3 * rescale[:, None] + u3
+
+        if K_SCALED or V_SCALED:
+            scale_blocks = scale_blocks_after
+        if K_SCALED:
+            ks0 = nks0
+            ks1 = nks1
+            ks2 = nks2
+            ks3 = nks3
+        if V_SCALED:
+            vs0 = nvs0
+            vs1 = nvs1
+            vs2 = nvs2
+            vs3 = nvs3
+
+    if RING:
+        # Positions of this split that the ring holds: sinks [start, min(end, SINKS)), then the
+        # window [max(start, ring_from), end); read exactly (the ring, or a plain part's cache).
+        num_sinks = tl.maximum(tl.minimum(end, SINKS) - start, 0)
+        window_start = tl.maximum(start, ring_from)
+        num_exact = num_sinks + tl.maximum(end - window_start, 0)
+        dims = tl.arange(0, HEAD_DIM)
+        q_exact = tl.load(q_rows[:, None] + dims[None, :], mask=group_mask[:, None], other=0.0).to(EXACT_DOT)
+        for index_start in range(0, num_exact, TILE):
+            index = index_start + tl.arange(0, TILE)
+            valid = index < num_exact
+            positions = tl.where(index < num_sinks, start + index, window_start + index - num_sinks)
+            ring_index = positions
+            if WINDOW > 0:
+                ring_index = tl.where(positions < SINKS, positions, SINKS + positions % WINDOW)
+            ring_rows = (seq_row * (SINKS + WINDOW) + ring_index).to(tl.int64) * ring_stride_token \
+                + kv_head * ring_stride_head
+            blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offsets = (positions % BLOCK_SIZE).to(tl.int64)
+            if K_RING:
+                keys = tl.load(k_ring_ptr + ring_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            else:
+                k_rows = blocks * k_stride_block + offsets * k_stride_token + kv_head * k_stride_head
+                keys = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q_exact, tl.trans(keys.to(EXACT_DOT)), input_precision=PRECISION)
+            scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            rescale = tl.exp2(running_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            running_max = new_max
+            if V_RING:
+                v_exact_ptr = v_ring_ptr
+                v_rows = ring_rows
+            else:
+                v_exact_ptr = v_ptr
+                v_rows = blocks * v_stride_block + offsets * v_stride_token + kv_head * v_stride_head
+            acc0 = acc0 * rescale[:, None] + _exact_value_segment(probs, v_exact_ptr, v_rows, valid, 0, V_SEG,
+                                                                  EXACT_DOT, PRECISION)
+            if V_NSEG > 1:
+                acc1 = acc1 * rescale[:, None] + _exact_value_segment(probs, v_exact_ptr, v_rows, valid, 1, V_SEG,
+                                                                      EXACT_DOT, PRECISION)
+            if V_NSEG > 2:
+                acc2 = acc2 * rescale[:, None] + _exact_value_segment(probs, v_exact_ptr, v_rows, valid, 2, V_SEG,
+                                                                      EXACT_DOT, PRECISION)
+                acc3 = acc3 * rescale[:, None] + _exact_value_segment(probs, v_exact_ptr, v_rows, valid, 3, V_SEG,
+                                                                      EXACT_DOT, PRECISION)
+
+    # A row that saw no position (only for context_len == 0) has sum 0 and acc 0 -> 0.
+    safe_sum = tl.where(running_sum > 0, running_sum, 1.0)
+    _store_segment(acc0, safe_sum, seq, heads, group_mask, split, out_ptr, partial_out_ptr, write_final,
+                   out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
+                   0, V_SEG)
+    if V_NSEG > 1:
+        _store_segment(acc1, safe_sum, seq, heads, group_mask, split, out_ptr, partial_out_ptr, write_final,
+                       out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                       partial_stride_split, 1, V_SEG)
+    if V_NSEG > 2:
+        _store_segment(acc2, safe_sum, seq, heads, group_mask, split, out_ptr, partial_out_ptr, write_final,
+                       out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                       partial_stride_split, 2, V_SEG)
+        _store_segment(acc3, safe_sum, seq, heads, group_mask, split, out_ptr, partial_out_ptr, write_final,
+                       out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                       partial_stride_split, 3, V_SEG)
+    if write_final == 0:
+        tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split,
+                 running_max + tl.log2(safe_sum), mask=group_mask)
+
+
+# --- generic kernel -----------------------------------------------------------------------------
 @triton.jit
 def _tile_scales(scales_ptr, scale_rows, valid, TILE: tl.constexpr, NUM_GROUPS: tl.constexpr,
                  GROUP: tl.constexpr):
@@ -103,7 +664,7 @@ def _load_part(ptr, scales_ptr, static_ptr, ring_ptr, blocks, offsets, positions
 
 
 @triton.jit(do_not_specialize=["num_splits", "block_table_stride_seq", "block_size", "write_final"])
-def _decode_split_quant_kernel(
+def _decode_split_quant_generic_kernel(
         query_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, k_static_ptr, v_static_ptr, k_ring_ptr, v_ring_ptr,
         seq_rows_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -203,6 +764,57 @@ def _decode_split_quant_kernel(
                  running_max + tl.log2(safe_sum), mask=group_mask)
 
 
+
+# --- host ---------------------------------------------------------------------------------------
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+_quant_resident_per_sm: dict[tuple, int] = {}
+
+
+def default_quant_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The fast kernel's launch shape: decode_attention's, but for 16-bit queries a tile of 64
+    positions whatever the head size (its tiles hold codes, not 16-bit values)."""
+    config = default_decode_config(head_dim, dtype)
+    if interpreting() or dtype == torch.float32:
+        return config
+    return replace(config, tile=64, num_warps=4, num_stages=2)
+
+
+def _segments(cache, head_dim: int):
+    """(FORMAT, NSEG, SEG, GROUP, SCALED, STATIC) of a part for the fast kernel, None if it does not
+    fit it (segments of >= 16 power-of-2 columns, at most 4 per head)."""
+    if isinstance(cache, torch.Tensor):
+        return 0, 1, head_dim, head_dim, False, False
+    fmt = cache.fmt
+    width = head_dim // 2 if fmt.name == "int4" else head_dim
+    group = fmt.group(head_dim)
+    seg = width if fmt.static_scales else min(group, width)
+    if seg < 16 or seg & (seg - 1) or head_dim % seg or head_dim // seg > 4:
+        return None
+    return FORMAT_CODES[fmt.name], head_dim // seg, seg, group, not fmt.static_scales, fmt.static_scales
+
+
+def fast_kernel_supported(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None) -> bool:
+    """Whether the fast kernel (segments, scales after the dots) serves these caches."""
+    head_dim = query.shape[2]
+    config = config or default_quant_decode_config(head_dim, query.dtype)
+    if head_dim < 16 or head_dim & (head_dim - 1) or not config.use_dot or config.tile < 16:
+        return False
+    if query.dtype not in _TL_DTYPES:
+        return False
+    if _segments(k_cache, head_dim) is None or _segments(v_cache, head_dim) is None:
+        return False
+    quantized = [c for c in (k_cache, v_cache) if not isinstance(c, torch.Tensor)]
+    rings = [c for c in quantized if c.window is not None]
+    if rings:
+        # The exact loop reads each part from its ring, or from a plain cache: every quantized part
+        # needs a ring, all with the same shape.
+        if len(rings) != len(quantized):
+            return False
+        if len({(c.num_sinks, c.window_size, c.window.stride()[:2], c.window.dtype) for c in rings}) != 1:
+            return False
+    return True
+
+
 def _part_args(cache, placeholder: torch.Tensor):
     """(payload, scales, static, ring, strides, scale strides, FORMAT, GROUP, STATIC, RING) of a part."""
     if isinstance(cache, torch.Tensor):
@@ -216,31 +828,107 @@ def _part_args(cache, placeholder: torch.Tensor):
             FORMAT_CODES[fmt.name], fmt.group(head_dim), fmt.static_scales, cache.window is not None)
 
 
+def _part_signature(cache) -> tuple:
+    if isinstance(cache, torch.Tensor):
+        return ("plain", cache.dtype)
+    return (cache.fmt, cache.window is not None)
+
+
+def _occupancy_key(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig, fast: bool, asm: bool,
+                   value_staging: str = "fp16") -> tuple:
+    num_heads, head_dim = query.shape[1:]
+    return (query.device, query.dtype, _part_signature(k_cache), _part_signature(v_cache),
+            num_heads // k_cache.shape[2], head_dim, config, fast, asm, value_staging)
+
+
+def _use_fast(query, k_cache, v_cache, config, implementation: str) -> bool:
+    if implementation not in ("auto", "fast", "generic"):
+        raise ValueError(f"implementation must be auto, fast or generic, got {implementation!r}")
+    if implementation == "generic":
+        return False
+    supported = fast_kernel_supported(query, k_cache, v_cache, config)
+    if implementation == "fast" and not supported:
+        raise ValueError("the fast quantized decode kernel does not support these caches")
+    return supported
+
+
+def _use_asm(query: torch.Tensor, asm: bool | None) -> bool:
+    """Inline-PTX code conversion: NVIDIA GPUs only, for the fp16 dots of 16-bit queries."""
+    ok = (not interpreting() and query.device.type == "cuda" and torch.version.hip is None
+          and query.dtype in (torch.float16, torch.bfloat16))
+    return ok if asm is None else (asm and ok)
+
+
+def _part_asm(cache, query: torch.Tensor, use_asm: bool) -> bool:
+    """Whether a part's codes go through inline PTX (e4m3's packed conversion needs sm_89+)."""
+    if not use_asm or isinstance(cache, torch.Tensor):
+        return False
+    if cache.fmt.name == "fp8_e4m3":
+        return torch.cuda.get_device_capability(query.device) >= (8, 9)
+    return True
+
+
+def decode_num_splits_quant(query: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
+                            max_context_len: int | None = None, config: DecodeConfig | None = None,
+                            implementation: str = "auto", asm: bool | None = None,
+                            value_staging: str = "fp16") -> int:
+    """The split count paged_decode_attention_quant picks for these arguments (to size a workspace
+    ahead of a CUDA-graph capture, say): from the compiled kernel's occupancy once it has run."""
+    head_dim = query.shape[2]
+    fast = _use_fast(query, k_cache, v_cache, config, implementation)
+    config = config or (default_quant_decode_config(head_dim, query.dtype) if fast
+                        else default_decode_config(head_dim, query.dtype))
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * k_cache.shape[1]
+    key = _occupancy_key(query, k_cache, v_cache, config, fast, _use_asm(query, asm) and fast, value_staging)
+    return choose_num_splits(query.shape[0], k_cache.shape[2], max_context_len, query.device, config,
+                             _quant_resident_per_sm.get(key))
+
+
+def measured_quant_occupancy() -> dict[str, int]:
+    """Programs per SM of each quantized-decode kernel variant launched so far (benchmark reports)."""
+    return {f"{key[1]}/{key[2]}/{key[3]}/group{key[4]}/d{key[5]}/{key[6]}/{'fast' if key[7] else 'generic'}"
+            f"{'/asm' if key[8] else ''}/{key[9]}": resident for key, resident in _quant_resident_per_sm.items()}
+
+
 def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float, seq_rows: torch.Tensor | None = None, *,
                                  out: torch.Tensor | None = None, max_context_len: int | None = None,
                                  num_splits: int | None = None,
                                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                 config: DecodeConfig | None = None) -> torch.Tensor:
+                                 config: DecodeConfig | None = None, implementation: str = "auto",
+                                 asm: bool | None = None, value_staging: str = "fp16") -> torch.Tensor:
     """decode_attention.paged_decode_attention over caches whose parts may be QuantizedKVCache;
-    `seq_rows` [B] (each sequence's window row) is needed when a part keeps a window."""
+    `seq_rows` [B] (each sequence's window row) is needed when a part keeps a window.
+
+    implementation: "auto" (the fast kernel where it applies, else the generic one), "fast" or
+    "generic"; asm: inline-PTX code conversion in the fast kernel (default: on NVIDIA GPUs);
+    value_staging: "fp16" converts value codes before their shared-memory staging (transposing
+    ldmatrix), "codes" lets the compiler stage the raw bytes (for measurements)."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if out is None:
         out = torch.empty_like(query)
     if batch == 0:
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    config = config or default_decode_config(head_dim, query.dtype)
+    fast = _use_fast(query, k_cache, v_cache, config, implementation)
+    config = config or (default_quant_decode_config(head_dim, query.dtype) if fast
+                        else default_decode_config(head_dim, query.dtype))
+    use_asm = _use_asm(query, asm) and fast
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
     if config.use_dot:
         group_pad = max(16, group_pad)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
+    key = _occupancy_key(query, k_cache, v_cache, config, fast, use_asm, value_staging)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device, config)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device, config,
+                                       _quant_resident_per_sm.get(key))
     placeholder = query
     k_args, v_args = _part_args(k_cache, placeholder), _part_args(v_cache, placeholder)
     rings = [c for c in (k_cache, v_cache) if not isinstance(c, torch.Tensor) and c.window is not None]
@@ -249,37 +937,76 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
     ring_strides = rings[0].window.stride()[:2] if rings else (0, 0)
     sinks, window = (rings[0].num_sinks, rings[0].window_size) if rings else (0, 0)
     interpret = interpreting()
-    meta = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=max(16, next_power_of_2(head_dim)),
-                TILE=config.tile, MIN_SPLIT_TOKENS=config.min_split_tokens,
-                USE_DOT=config.use_dot, DOT_UPCAST=interpret,
-                DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-                K_FORMAT=k_args[6], V_FORMAT=v_args[6], K_GROUP=k_args[7], V_GROUP=v_args[7],
-                K_STATIC=k_args[8], V_STATIC=v_args[8], K_RING=k_args[9], V_RING=v_args[9],
-                SINKS=sinks, WINDOW=window, num_warps=config.num_warps, num_stages=config.num_stages)
     common = (query, k_args[0], v_args[0], k_args[1], v_args[1], k_args[2], v_args[2], k_args[3], v_args[3],
               seq_rows if seq_rows is not None else context_lens, block_tables, context_lens)
     strides = (*k_args[4], *v_args[4], *k_args[5], *v_args[5], *ring_strides)
     scale_log2 = float(scale) * LOG2_E
+    dim_pad = max(16, next_power_of_2(head_dim))
+    precision = "ieee" if (query.dtype == torch.float32 or interpret) else "tf32"
+    if fast:
+        k_seg, v_seg = _segments(k_cache, head_dim), _segments(v_cache, head_dim)
+        query_dtype = _TL_DTYPES[query.dtype]
+        wide = tl.float32 if interpret or query.dtype == torch.float32 else tl.float16
+
+        def dot_dtype(part_layout):
+            return (tl.float32 if interpret else query_dtype) if part_layout[0] == 0 else wide
+
+        k_dot, v_dot = dot_dtype(k_seg), dot_dtype(v_seg)
+        prescale = BF16_QUERY_PRESCALE if (k_seg[0] != 0 and k_dot == tl.float16
+                                           and query.dtype == torch.bfloat16) else 1.0
+        kernel = _decode_split_quant_kernel
+        scalars = (scale_log2, scale_log2 / prescale)
+        meta = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, TILE=config.tile,
+                    MIN_SPLIT_TOKENS=config.min_split_tokens,
+                    K_FORMAT=k_seg[0], V_FORMAT=v_seg[0], K_NSEG=k_seg[1], V_NSEG=v_seg[1], K_SEG=k_seg[2],
+                    V_SEG=v_seg[2], K_GROUP=k_seg[3], V_GROUP=v_seg[3], K_SCALED=k_seg[4], V_SCALED=v_seg[4],
+                    K_STATIC=k_seg[5], V_STATIC=v_seg[5], K_RING=k_args[9], V_RING=v_args[9],
+                    SINKS=sinks, WINDOW=window, K_DOT=k_dot, V_DOT=v_dot,
+                    EXACT_DOT=tl.float32 if interpret else query_dtype, K_PRESCALE=prescale,
+                    K_ASM=_part_asm(k_cache, query, use_asm), V_ASM=_part_asm(v_cache, query, use_asm),
+                    V_PURE=value_staging != "fp16", BLOCK_SIZE=block_size,
+                    PRECISION="ieee" if (query.dtype == torch.float32 or interpret) else "tf32",
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        kernel = _decode_split_quant_generic_kernel
+        scalars = (scale_log2,)
+        meta = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+                    TILE=config.tile, MIN_SPLIT_TOKENS=config.min_split_tokens,
+                    USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=precision,
+                    K_FORMAT=k_args[6], V_FORMAT=v_args[6], K_GROUP=k_args[7], V_GROUP=v_args[7],
+                    K_STATIC=k_args[8], V_STATIC=v_args[8], K_RING=k_args[9], V_RING=v_args[9],
+                    SINKS=sinks, WINDOW=window, num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits == 1:
-        _decode_split_quant_kernel[(batch, num_kv_heads, 1)](
-            *common, out, out, out, scale_log2, 1, block_size, 1,
+        compiled = kernel[(batch, num_kv_heads, 1)](
+            *common, out, out, out, *scalars, 1, block_size, 1,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             *strides, 0, 0, 0, 0, 0, **meta)
+        _note_occupancy(key, compiled, query.device)
         return out
     if workspace is None:
         workspace = decode_workspace(batch, num_heads, head_dim, num_splits, query.device)
     partial_out, partial_lse = workspace
-    _decode_split_quant_kernel[(batch, num_kv_heads, num_splits)](
-        *common, out, partial_out, partial_lse, scale_log2, num_splits, block_size, 0,
+    if partial_out.shape[2] < num_splits or partial_lse.shape[2] < num_splits or partial_out.shape[0] < batch:
+        raise ValueError("workspace does not fit this launch (see decode_workspace)")
+    compiled = kernel[(batch, num_kv_heads, num_splits)](
+        *common, out, partial_out, partial_lse, *scalars, num_splits, block_size, 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *strides, partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), **meta)
+    _note_occupancy(key, compiled, query.device)
     _decode_combine_kernel[(batch, num_heads)](
         partial_out, partial_lse, context_lens, out, num_splits,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=meta["DIM_PAD"], TILE=config.tile,
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, TILE=config.tile,
         MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=64 if head_dim <= 128 else 32,
         num_warps=4)
     return out
+
+
+def _note_occupancy(key: tuple, compiled, device: torch.device) -> None:
+    if key not in _quant_resident_per_sm:
+        resident = _resident_programs(compiled, device)
+        if resident is not None:
+            _quant_resident_per_sm[key] = resident

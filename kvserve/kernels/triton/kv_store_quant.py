@@ -25,6 +25,15 @@ MIN_SCALE = tl.constexpr(2.0 ** -14)
 
 
 @triton.jit
+def _div(x, y):
+    """x / y rounded as IEEE division (as torch divides). Triton lowers an fp32 `/` on NVIDIA GPUs
+    to `div.full.f32`, an approximation within 2 ulp: a quotient next to a rounding boundary (a
+    code's .5, or an fp16 scale's half ulp) then lands on the other side of it and the stored byte
+    or scale differs from the reference's. (The interpreter divides exactly, so it never showed.)"""
+    return tl.math.div_rn(x, y)
+
+
+@triton.jit
 def _round_half_even(x):
     """torch.round (half to even) for |x| < 2^22: adding and removing 1.5 * 2^23 leaves no
     fraction bits, and fp32 addition rounds to nearest even. (Inputs are clamped first.)"""
@@ -50,7 +59,7 @@ def _group_scales(x, QMAX: tl.constexpr, HEADS_PAD: tl.constexpr, NUM_GROUPS: tl
     """x [HEADS_PAD, NUM_GROUPS * GROUP] fp32 -> per-element fp32 scales (fp16-rounded) and the
     [HEADS_PAD, NUM_GROUPS] fp16 scales to store."""
     grouped = tl.reshape(tl.abs(x), (HEADS_PAD, NUM_GROUPS, GROUP))
-    scales = tl.maximum(tl.max(grouped, axis=2) / QMAX, MIN_SCALE).to(tl.float16)
+    scales = tl.maximum(_div(tl.max(grouped, axis=2), QMAX), MIN_SCALE).to(tl.float16)
     per_element = tl.reshape(tl.broadcast_to(scales.to(tl.float32)[:, :, None], (HEADS_PAD, NUM_GROUPS, GROUP)),
                              (HEADS_PAD, NUM_GROUPS * GROUP))
     return per_element, scales
@@ -79,7 +88,7 @@ def _store_quant_kernel(x_ptr, payload_ptr, scales_ptr, static_ptr, slot_ptr,
             high_scale = tl.load(static_ptr + heads * HEAD_DIM + HALF + dims, mask=head_mask, other=1.0)
         elif GROUP == HEAD_DIM:
             amax = tl.maximum(tl.max(tl.abs(low), axis=1), tl.max(tl.abs(high), axis=1))
-            scale = tl.maximum(amax / QMAX, MIN_SCALE).to(tl.float16)
+            scale = tl.maximum(_div(amax, QMAX), MIN_SCALE).to(tl.float16)
             tl.store(scales_ptr + slot * scales_stride_slot + tl.arange(0, HEADS_PAD) * scales_stride_head,
                      scale, mask=tl.arange(0, HEADS_PAD) < NUM_KV_HEADS)
             low_scale = scale.to(tl.float32)[:, None]
@@ -92,8 +101,8 @@ def _store_quant_kernel(x_ptr, payload_ptr, scales_ptr, static_ptr, slot_ptr,
             scale_row = scales_ptr + slot * scales_stride_slot + heads * scales_stride_head
             tl.store(scale_row + groups, low_stored, mask=head_mask)
             tl.store(scale_row + HALF_GROUPS + groups, high_stored, mask=head_mask)
-        low_codes = _encode(low / low_scale, 3)
-        high_codes = _encode(high / high_scale, 3)
+        low_codes = _encode(_div(low, low_scale), 3)
+        high_codes = _encode(_div(high, high_scale), 3)
         packed = low_codes | (high_codes << 4)
         tl.store(payload_ptr + slot * payload_stride_slot + heads * payload_stride_head + dims, packed,
                  mask=head_mask)
@@ -108,7 +117,7 @@ def _store_quant_kernel(x_ptr, payload_ptr, scales_ptr, static_ptr, slot_ptr,
             groups = tl.arange(0, NUM_GROUPS)[None, :]
             tl.store(scales_ptr + slot * scales_stride_slot + heads * scales_stride_head + groups, stored,
                      mask=head_mask)
-        codes = _encode(x / scale, FORMAT)
+        codes = _encode(_div(x, scale), FORMAT)
         tl.store(payload_ptr + slot * payload_stride_slot + heads * payload_stride_head + dims, codes,
                  mask=head_mask)
 
