@@ -7,7 +7,10 @@ request through the engine's own `KVCacheManager` + `PrefixCache` (the code the 
 eviction policy and several cache sizes. The offline optimum replays the same trace with the same
 block accounting (a request holds all its blocks while it runs; only full computed blocks are
 cached; the last prompt token is always recomputed) but evicts the cached block whose next use is
-farthest in the future (Belady's MIN; ties deeper-first).
+farthest in the future (Belady's MIN; ties deeper-first). A second offline yardstick is lru that
+also knows which blocks no later request looks up and evicts those first: what knowing *that* a
+conversation has ended is worth, without knowing *when* the others come back (below MIN, but not
+above every online policy: it has no notion of frequency).
 
 Traces (token ids are random, so only deliberate repeats share blocks):
 - `system`: shared system prompts of 300-1500 tokens with Zipf(1.0) popularity, each request the
@@ -43,16 +46,18 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvserve.kvcache.eviction import make_policy  # noqa: E402
+from kvserve.kvcache.eviction import LRUPolicy, make_policy  # noqa: E402
 from kvserve.kvcache.manager import KVCacheManager, blocks_for_tokens  # noqa: E402
 from kvserve.kvcache.prefix_cache import PrefixCache, chain_hashes, namespace_root  # noqa: E402
 
 BLOCK_SIZE = 16
 VOCAB = 50_000
-POLICIES = ("lru", "lru-k", "lfu-age", "adaptive")
+POLICIES = ("lru", "lru-k", "lfu-age", "fanout", "adaptive")
+FIXED_POLICIES = tuple(p for p in POLICIES if p != "adaptive")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,15 +220,15 @@ class SimClock:
         return self.now
 
 
-def simulate_policy(trace: list[TraceRequest], capacity_blocks: int, policy_name: str,
-                    lru_k: int = 2, half_life_s: float = 120.0) -> dict:
-    clock = SimClock()
-    policy = make_policy(policy_name, lru_k=lru_k, half_life_s=half_life_s, num_blocks=capacity_blocks)
-    cache = PrefixCache(policy, clock)
+def _replay(trace: list[TraceRequest], capacity_blocks: int, cache: PrefixCache, clock: SimClock,
+            on_request: Optional[Callable[[int], None]] = None) -> float:
+    """Token hit rate of the trace replayed request by request through the KV manager and `cache`."""
     manager = KVCacheManager(capacity_blocks, BLOCK_SIZE, cache)
     query = hit = 0
     for index, request in enumerate(trace):
         clock.now = request.time
+        if on_request is not None:
+            on_request(index)
         rid = str(index)
         seq = SimSequence(rid, list(request.prompt), request.namespace)
         prefix = manager.find_cached_prefix(seq)
@@ -238,7 +243,16 @@ def simulate_policy(trace: list[TraceRequest], capacity_blocks: int, policy_name
         manager.cache_full_blocks(rid, len(seq.tokens) - 1)
         manager.free(rid)
     assert manager.num_free_blocks == capacity_blocks
-    result = {"hit_rate": hit / query, "evictions": dict(cache.evictions)}
+    return hit / query
+
+
+def simulate_policy(trace: list[TraceRequest], capacity_blocks: int, policy_name: str,
+                    lru_k: int = 2, half_life_s: float = 120.0) -> dict:
+    clock = SimClock()
+    policy = make_policy(policy_name, lru_k=lru_k, half_life_s=half_life_s, num_blocks=capacity_blocks)
+    # Retained histories as the engine keeps them (build_prefix_cache): 2x the pool's blocks.
+    cache = PrefixCache(policy, clock, history_blocks=2 * capacity_blocks)
+    result = {"hit_rate": _replay(trace, capacity_blocks, cache, clock), "evictions": dict(cache.evictions)}
     if policy_name == "adaptive":
         snap = policy.snapshot()
         result["adaptive"] = {"final_arm": snap.active, "num_switches": snap.num_switches,
@@ -247,9 +261,12 @@ def simulate_policy(trace: list[TraceRequest], capacity_blocks: int, policy_name
     return result
 
 
-def simulate_belady(trace: list[TraceRequest], capacity_blocks: int) -> float:
-    """Belady's MIN under the same block accounting as the replay above: when a request needs
-    blocks, the cached blocks it does not hold whose next use is farthest away go first."""
+NextUse = Callable[[bytes, int], float]
+
+
+def _future_lookups(trace: list[TraceRequest]) -> tuple[list[list[bytes]], list[list[bytes]], NextUse]:
+    """Per request, the hashes of its full computed blocks and of the blocks its lookup may hit,
+    and next_use(hash, after): the index of the next request after `after` that looks it up."""
     bs = BLOCK_SIZE
     lookups, chains = [], []
     for request in trace:
@@ -266,6 +283,38 @@ def simulate_belady(trace: list[TraceRequest], capacity_blocks: int) -> float:
         i = bisect.bisect_right(seq, after)
         return seq[i] if i < len(seq) else math.inf
 
+    return chains, lookups, next_use
+
+
+class _DeadFirstCache(PrefixCache):
+    """LRU that also knows which released blocks no later request will look up, and evicts those
+    first. Not a policy (it reads the future): it measures what knowing *that* a conversation
+    has ended is worth, leaving to Belady only the foresight of *when* the others come back."""
+
+    def __init__(self, clock: SimClock, next_use: NextUse, capacity_blocks: int) -> None:
+        super().__init__(LRUPolicy(), clock, history_blocks=2 * capacity_blocks)
+        self._next_use = next_use
+        self.request_index = 0
+
+    def on_release(self, block_id: int) -> None:
+        cached = self._by_block[block_id]
+        dead = self._next_use(cached.block_hash, self.request_index) == math.inf
+        self._evictor.add(block_id, -math.inf if dead else cached.stats.times[-1], cached.stats.depth)
+
+
+def simulate_dead_first_lru(trace: list[TraceRequest], capacity_blocks: int) -> float:
+    _, _, next_use = _future_lookups(trace)
+    clock = SimClock()
+    cache = _DeadFirstCache(clock, next_use, capacity_blocks)
+    return _replay(trace, capacity_blocks, cache, clock,
+                   on_request=lambda index: setattr(cache, "request_index", index))
+
+
+def simulate_belady(trace: list[TraceRequest], capacity_blocks: int) -> float:
+    """Belady's MIN under the same block accounting as the replay above: when a request needs
+    blocks, the cached blocks it does not hold whose next use is farthest away go first."""
+    bs = BLOCK_SIZE
+    chains, lookups, next_use = _future_lookups(trace)
     cached: dict[bytes, float] = {}            # resident hash -> next use it was queued with
     heap: list[tuple[float, int, int, bytes]] = []   # (-next use, -depth, tie, hash); stale entries skipped
     tie = itertools.count()
@@ -380,14 +429,18 @@ def run_hit_rates(args) -> dict:
                 if "adaptive" in sim:
                     row["adaptive"] = sim["adaptive"]
             row["hit_rate"]["belady"] = round(simulate_belady(trace, size), 4)
-            fixed = {p: row["hit_rate"][p] for p in ("lru", "lru-k", "lfu-age")}
+            if args.oracle_bounds:
+                bound = simulate_dead_first_lru(trace, size)
+                row["oracle_bounds"] = {"lru_evicting_never_reused_first": round(bound, 4)}
+            fixed = {p: row["hit_rate"][p] for p in FIXED_POLICIES}
             best = max(fixed, key=fixed.get)
             row["best_fixed"] = best
             row["adaptive_minus_best_fixed"] = round(row["hit_rate"]["adaptive"] - fixed[best], 4)
             row["belady_minus_adaptive"] = round(row["hit_rate"]["belady"] - row["hit_rate"]["adaptive"], 4)
             entry["sizes"].append(row)
             print(f"{name:7s} {size:6d} blocks ({row['fraction_of_unique_blocks']:.2f} of working set): "
-                  + "  ".join(f"{p} {v:.3f}" for p, v in row["hit_rate"].items()), flush=True)
+                  + "  ".join(f"{p} {v:.3f}" for p, v in {**row["hit_rate"], **row.get("oracle_bounds", {})}.items()),
+                  flush=True)
         results["traces"][name] = entry
     gaps = [row["adaptive_minus_best_fixed"] for t in results["traces"].values() for row in t["sizes"]]
     to_min = [row["belady_minus_adaptive"] for t in results["traces"].values() for row in t["sizes"]]
@@ -410,6 +463,9 @@ def main() -> int:
     parser.add_argument("--ttft", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure TTFT through the engine on the default model")
     parser.add_argument("--hit-rates", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--oracle-bounds", action=argparse.BooleanOptionalAction, default=True,
+                        help="also replay lru knowing which blocks are never looked up again (an offline "
+                             "yardstick for the gap to Belady)")
     parser.add_argument("--ttft-conversations", type=int, default=3)
     parser.add_argument("--ttft-turns", type=int, default=4)
     parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

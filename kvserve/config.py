@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 _DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
-EVICTION_POLICIES = ("lru", "lru-k", "lfu-age", "adaptive")
+EVICTION_POLICIES = ("lru", "lru-k", "lfu-age", "fanout", "adaptive")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -50,10 +50,13 @@ class CacheConfig:
     # Prefix caching (kvserve/kvcache/prefix_cache.py; docs/prefix_caching.md).
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes (full blocks, content-hashed); "
                                              "--no-prefix-caching turns it off", aliases=("--prefix-caching",))
-    eviction_policy: str = _opt("lru", "which cached block goes first: lru, lru-k, lfu-age, or adaptive "
+    eviction_policy: str = _opt("lru", "which cached block goes first: lru, lru-k, lfu-age, fanout (lru-k that "
+                                       "counts only new branches off a prefix as frequency), or adaptive "
                                        "(learns the best of them online)", choices=EVICTION_POLICIES)
-    lru_k: int = _opt(2, "K of lru-k: blocks used fewer than K times are evicted first (1-8)")
-    heat_half_life_s: float = _opt(120.0, "lru-k: half-life (seconds) of the exponential decay of a block's heat")
+    lru_k: int = _opt(2, "K of lru-k: blocks used fewer than K times are evicted first (1-8); of fanout: the "
+                         "last use and the K-1 latest branches count")
+    heat_half_life_s: float = _opt(120.0, "lru-k, fanout: half-life (seconds) of the exponential decay of a "
+                                          "block's heat")
     prefix_sharing: str = _opt("tenant", "who reuses whose cached prefixes: tenant (own only) or global",
                                choices=("tenant", "global"))
     prefix_share_groups: Optional[str] = _opt(None, "tenants that share cached prefixes, e.g. 'a,b;c,d'")

@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from kvserve.kvcache.adaptive import AdaptivePolicy, ShadowCache
+from kvserve.kvcache.adaptive import AdaptivePolicy, ShadowCache, default_arms
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.eviction import (AccessStats, Evictor, LFUAgePolicy, LRUKPolicy, LRUPolicy, make_policy)
+from kvserve.kvcache.eviction import (AccessStats, Evictor, FanoutPolicy, LFUAgePolicy, LRUKPolicy, LRUPolicy,
+                                      make_policy)
 from kvserve.kvcache.manager import KVCacheManager
-from kvserve.kvcache.prefix_cache import PinLimitError, PrefixCache, hash_block, namespace_root
+from kvserve.kvcache.prefix_cache import PinLimitError, PrefixCache, chain_hashes, hash_block, namespace_root
 
 
 class Clock:
@@ -46,6 +47,24 @@ class Harness:
             self.pool.acquire_cached(block)
         self.cache.record_use([block], t)
         self.pool.free([block])
+
+    def use_chain(self, names: list[str], t: float) -> None:
+        """One request using a prefix chain of blocks: the ones not cached yet are computed and
+        inserted under their parent, as KVCacheManager.cache_full_blocks does."""
+        self.clock.now = t
+        parent, table = namespace_root(""), []
+        for depth, name in enumerate(names):
+            block = self.blocks.get(name)
+            if block is None:
+                [block] = self.pool.allocate(1)
+                assert self.cache.insert(block, self.hash_of(name), parent, [ord(c) for c in name], "", depth)
+                self.blocks[name], self.names[block] = block, name
+            else:
+                self.pool.acquire_cached(block)
+            table.append(block)
+            parent = self.hash_of(name)
+        self.cache.record_use(table, t)
+        self.pool.free(reversed(table))
 
     def eviction_order(self) -> list[str]:
         order = []
@@ -121,6 +140,74 @@ def test_lfu_age_orders_by_uses_and_ages_out_old_popularity():
     assert h.eviction_order() == ["a", "d"]
 
 
+# A two-block system prompt (s0, s1) that three requests branch off (a, b, d); a conversation c
+# that runs three turns (c, then c + c2, then c + c2 + c3) and branches nowhere; a one-off e.
+_FANOUT_TRACE = [(["s0", "s1", "a"], 0.0), (["s0", "s1", "b"], 1.0), (["c"], 2.0), (["c", "c2"], 3.0),
+                 (["c", "c2", "c3"], 4.0), (["s0", "s1", "d"], 5.0), (["e"], 6.0)]
+
+
+def test_fanout_counts_branches_not_turns():
+    policy = FanoutPolicy(k=2, half_life_s=10.0)
+    h = Harness(policy)
+    for chain, t in _FANOUT_TRACE:
+        h.use_chain(chain, t)
+    s0 = h.cache.cached_block(h.blocks["s0"]).stats
+    # b opened a branch under s1 (a continued it before): s1 and its ancestor s0 count that access.
+    # d's access (the newest) opened one too; it counts once it is an earlier access.
+    assert s0.branches == (1.0,) and s0.newest_branched and s0.last_child == h.hash_of("s1")
+    c = h.cache.cached_block(h.blocks["c"]).stats
+    assert c.count == 3 and c.branches == ()       # continuing a conversation is no branch
+    # Heats in units of h: a 0, b 0.1, c/c2/c3 0.4 (recency only, deeper first), d 0.5, e 0.6,
+    # s1/s0 0.5 + log2(1 + 2^-0.4) = 1.31 (the t=1 branch counts).
+    assert policy.priority(s0) == pytest.approx(0.5 + math.log2(1 + 2 ** -0.4))
+    assert h.eviction_order() == ["a", "b", "c3", "c2", "c", "d", "e", "s1", "s0"]
+
+    # lru-k counts the conversation's turns as frequency: c and c2 (used at t=3 and 4, heat
+    # 0.4 + log2(1 + 2^-0.1) = 1.35) outlive the shared prompt and the newer one-offs.
+    h = Harness(LRUKPolicy(k=2, half_life_s=10.0))
+    for chain, t in _FANOUT_TRACE:
+        h.use_chain(chain, t)
+    assert h.eviction_order() == ["a", "b", "c3", "d", "e", "s1", "s0", "c2", "c"]
+
+
+def test_fanout_k_counts_the_latest_branches_and_recomputing_a_child_is_no_branch():
+    policy = FanoutPolicy(k=3, half_life_s=10.0)
+    h = Harness(policy)
+    for t, leaf in enumerate(["a", "b", "c", "d"]):
+        h.use_chain(["s", leaf], float(t))         # a new branch under s at t = 1, 2, 3
+    s = h.cache.cached_block(h.blocks["s"]).stats
+    assert s.branches == (1.0, 2.0) and s.newest_branched
+    assert policy.priority(s) == pytest.approx(0.3 + math.log2(1 + 2 ** -0.1 + 2 ** -0.2))   # K-1 = 2 of them
+    assert FanoutPolicy(k=1, half_life_s=10.0).priority(s) == pytest.approx(0.3)           # recency only
+    # The leaves go, then d is computed again under s: the continuation s saw last, no branch.
+    evicted = [h.cache.evict() for _ in range(4)]
+    assert [h.names[block] for block in evicted] == ["a", "b", "c", "d"]
+    for block in evicted:
+        h.pool._empty.append(block)
+        del h.blocks[h.names.pop(block)]
+    h.use_chain(["s", "d"], 4.0)
+    assert s.branches == (1.0, 2.0, 3.0) and not s.newest_branched
+    h.use_chain(["s", "e"], 5.0)                     # a new continuation is one
+    assert s.newest_branched
+
+
+def test_shadow_cache_tracks_fanout_like_the_real_cache():
+    policy = FanoutPolicy(k=2, half_life_s=10.0)
+    h = Harness(policy)
+    shadow = ShadowCache(policy.clone(), capacity_blocks=64)
+    for chain, t in _FANOUT_TRACE:
+        h.use_chain(chain, t)
+        shadow.use([h.hash_of(name) for name in chain], list(range(len(chain))), t)
+    for name, block in h.blocks.items():
+        real, ghost = h.cache.cached_block(block).stats, shadow._stats[h.hash_of(name)]
+        assert (ghost.times, ghost.branches, ghost.newest_branched) == (real.times, real.branches, real.newest_branched)
+    # Policies that do not rank by fan-out leave it alone (no bookkeeping for them).
+    plain = ShadowCache(LRUPolicy(), capacity_blocks=64)
+    for chain, t in _FANOUT_TRACE:
+        plain.use([h.hash_of(name) for name in chain], list(range(len(chain))), t)
+    assert all(stats.branches == () and stats.last_child is None for stats in plain._stats.values())
+
+
 def test_pinned_blocks_are_evicted_last_until_the_pin_expires():
     h = Harness(LRUPolicy())
     h.use("system", 1.0)
@@ -167,11 +254,17 @@ def test_make_policy_names():
     assert make_policy("lru").label == "lru"
     assert make_policy("lru-k", lru_k=3, half_life_s=60).label == "lru-k(k=3,h=60s)"
     assert make_policy("lfu-age").label == "lfu-age"
-    assert isinstance(make_policy("adaptive", num_blocks=64), AdaptivePolicy)
+    assert make_policy("fanout", lru_k=3, half_life_s=60).label == "fanout(k=3,h=60s)"
+    adaptive = make_policy("adaptive", num_blocks=64)
+    assert isinstance(adaptive, AdaptivePolicy) and adaptive.tracks_fanout
+    assert "fanout(k=4,h=120s)" in [arm.label for arm in adaptive.arms]
+    assert [p.tracks_fanout for p in default_arms()] == [False] * 6 + [True]
     with pytest.raises(ValueError):
         make_policy("fifo")
     with pytest.raises(ValueError):
         LRUKPolicy(k=0)
+    with pytest.raises(ValueError):
+        FanoutPolicy(k=9)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,6 +342,25 @@ def test_adaptive_stays_put_when_the_active_arm_is_best():
     assert policy.num_switches == 0 and rate == replay(LRUPolicy(), prompts, 12)[0]
 
 
+def test_fanout_through_the_kv_manager_and_adaptive_shadows():
+    # Block size 4: a 2-block system prompt, three conversations off it, the first one continued.
+    system = list(range(1, 9))
+    first = system + [100, 101, 102, 103, 104]
+    prompts = [first, system + [200, 201, 202, 203, 204], first + [105, 106, 107, 108],
+               system + [300, 301, 302, 303, 304]]
+    policy = FanoutPolicy(k=2, half_life_s=10.0)
+    _, cache = replay(policy, prompts, 32)
+    head = [cache._by_hash[h].stats for h in chain_hashes(namespace_root(""), system, 4)]
+    # Branches at t=1 and t=3 (request 2 continued request 0's conversation: no branch).
+    assert [(stats.branches, stats.newest_branched) for stats in head] == [((1.0,), True)] * 2
+    adaptive = AdaptivePolicy([LRUPolicy(), FanoutPolicy(k=2, half_life_s=10.0)], 32)
+    _, cache = replay(adaptive, prompts, 32)
+    assert cache._track_fanout       # an arm may become active: the real cache keeps fan-out too
+    head_hashes = chain_hashes(namespace_root(""), system, 4)
+    assert cache._by_hash[head_hashes[0]].stats.branches == (1.0,)
+    assert adaptive.arms[1].shadow._stats[head_hashes[1]].branches == (1.0,)
+
+
 def test_shadow_cache_sampling_keeps_cost_bounded():
     policy = AdaptivePolicy([LRUPolicy()], num_blocks=1_000_000, max_shadow_blocks=1000)
     assert policy.sample_rate == pytest.approx(0.001)
@@ -271,3 +383,4 @@ def test_belady_bounds_every_policy_on_the_benchmark_traces():
         best = prefix_bench.simulate_belady(trace, capacity)
         for policy in prefix_bench.POLICIES:
             assert prefix_bench.simulate_policy(trace, capacity, policy)["hit_rate"] <= best + 1e-9, policy
+        assert prefix_bench.simulate_dead_first_lru(trace, capacity) <= best + 1e-9

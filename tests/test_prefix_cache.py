@@ -428,6 +428,8 @@ def test_flags_turn_prefix_caching_off_and_pick_a_policy():
     default = engine_options_from_args(build_parser().parse_args(["generate", "x"]))
     assert default["enable_prefix_caching"] is True and default["eviction_policy"] == "lru"
     assert engine_options_from_args(build_parser().parse_args(
+        ["generate", "x", "--eviction-policy", "fanout"]))["eviction_policy"] == "fanout"
+    assert engine_options_from_args(build_parser().parse_args(
         ["generate", "x", "--no-enable-prefix-caching"]))["enable_prefix_caching"] is False
     for bad in (dict(eviction_policy="fifo"), dict(lru_k=9), dict(heat_half_life_s=0), dict(max_pinned_fraction=2)):
         with pytest.raises(ValueError):

@@ -1,12 +1,12 @@
 """The adaptive eviction policy: picks the policy (and its parameters) that would have hit most.
 
-Each candidate ("arm": lru, lfu-age, lru-k at several half-lives, ...) runs a *shadow cache*: a
-ghost cache of block hashes only, with the pool's capacity, fed the same stream of lookups and
-releases as the real cache. A shadow's hits are what that arm would have scored on this traffic,
-measured on its own cache contents, so every arm is scored every epoch (full information: the
-learner never has to gamble real hits to explore, unlike a bandit that switches the real cache to
-try an arm). Every `epoch_lookups` lookups the scores are discounted (recent traffic counts most)
-and the real cache switches to the best arm if it beats the active one by `switch_margin`
+Each candidate ("arm": lru, lfu-age, lru-k at several half-lives, fanout, ...) runs a *shadow
+cache*: a ghost cache of block hashes only, with the pool's capacity, fed the same stream of
+lookups and releases as the real cache. A shadow's hits are what that arm would have scored on this
+traffic, measured on its own cache contents, so every arm is scored every epoch (full information:
+the learner never has to gamble real hits to explore, unlike a bandit that switches the real cache
+to try an arm). Every `epoch_lookups` lookups the scores are discounted (recent traffic counts
+most) and the real cache switches to the best arm if it beats the active one by `switch_margin`
 (hysteresis against flapping). A switch re-keys the real cache's evictable blocks under the new
 arm; blocks keep their access history, so nothing is lost.
 
@@ -24,8 +24,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from kvserve.kvcache.eviction import (AccessStats, EvictionPolicy, Evictor, LFUAgePolicy, LRUKPolicy, LRUPolicy,
-                                      MAX_HISTORY)
+from kvserve.kvcache.eviction import (AccessStats, EvictionPolicy, Evictor, FanoutPolicy, LFUAgePolicy, LRUKPolicy,
+                                      LRUPolicy, MAX_HISTORY, note_continuation)
 
 logger = logging.getLogger("kvserve.prefix_cache")
 
@@ -34,11 +34,12 @@ _HASH_SPACE = 1 << 64
 
 def default_arms(lru_k: int = 2, half_life_s: float = 120.0) -> list[EvictionPolicy]:
     """lru, lfu-age, and lru-k with the configured K over half-lives 1/8x, 1x and 8x the configured
-    one, plus a frequency-leaning lru-k (larger K, long half-life)."""
+    one, plus a frequency-leaning lru-k (larger K, long half-life), plus fanout with the larger K
+    (several recent branches estimate how often new requests share a prefix better than one)."""
     wide_k = min(MAX_HISTORY, max(lru_k + 2, 4))
     return [LRUPolicy(), LFUAgePolicy(),
             LRUKPolicy(lru_k, half_life_s / 8), LRUKPolicy(lru_k, half_life_s), LRUKPolicy(lru_k, half_life_s * 8),
-            LRUKPolicy(wide_k, half_life_s * 8)]
+            LRUKPolicy(wide_k, half_life_s * 8), FanoutPolicy(wide_k, half_life_s)]
 
 
 class ShadowCache:
@@ -66,13 +67,25 @@ class ShadowCache:
         return hits
 
     def use(self, block_hashes: list[bytes], depths: list[int], now: float) -> None:
-        """One request used these blocks: record the access, insert the missing ones, evict down
-        to capacity."""
+        """One request used these blocks (a prefix chain, or with sampling the sampled blocks of
+        one, in order): record the access, insert the missing ones, evict down to capacity."""
         all_stats, priority, add = self._stats, self.policy.priority, self._evictor.add
+        track_fanout = self.policy.tracks_fanout
+        chain: list[AccessStats] = []
         for block_hash, depth in zip(block_hashes, depths):
             stats = all_stats.get(block_hash)
             if stats is None:
                 stats = all_stats[block_hash] = self._history.pop(block_hash, None) or AccessStats(depth)
+                # As PrefixCache.insert: a new block under a parent continued differently before
+                # is a branch for every ancestor. Only ancestors in this call are seen (a branch
+                # inside the generated part of a request, after its prompt, is missed).
+                if track_fanout and chain and note_continuation(chain[-1], block_hash):
+                    for ancestor in chain:
+                        ancestor.branch_pending = True
+            chain.append(stats)
+        # Recorded after the whole chain is seen, so a branch found deep in it counts in this
+        # access of its ancestors, as it does in the real cache.
+        for block_hash, stats in zip(block_hashes, chain):
             stats.record(now)
             add(block_hash, priority(stats), stats.depth)
         while len(all_stats) > self.capacity:
@@ -124,6 +137,7 @@ class AdaptivePolicy(EvictionPolicy):
         self.discount = discount
         self.switch_margin = switch_margin
         self.num_switches = 0
+        self.tracks_fanout = any(policy.tracks_fanout for policy in arms)   # any arm may become active
         self.on_switch: Optional[Callable[[], None]] = None     # set by the cache: re-key its blocks
         self._lookups = 0
         self._queries = 0.0

@@ -22,6 +22,15 @@ re-keying the heap.
   what lets the heap hold them; they are stored as log2 of the undecayed sum.
 - `lfu-age`: LFU with dynamic aging (LFU-DA, Arlitt et al. 2000): priority = age + uses, where
   the age becomes the priority of each evicted block, so blocks popular long ago age out.
+- `fanout`: lru-k's heat over the newest access and the K-1 latest earlier accesses that opened
+  a new *branch* below the block: the request computed a block continuing the prefix of this
+  block (or of a descendant) differently from how it had been continued before. Other accesses
+  count for recency only. In a multi-turn chat most uses of a block are turns of the one
+  conversation that owns it, and how many turns it has had says little about whether it goes on,
+  while how often new conversations branch off a prefix (a shared system prompt) says how likely
+  the next one is. So a conversation's blocks rank by recency, as under lru, and shared prefixes
+  keep lru-k's frequency protection. A branch flags every ancestor, so a block never ranks below
+  its descendants and leaves still go first.
 """
 
 from __future__ import annotations
@@ -42,18 +51,45 @@ class AccessStats:
     depth: int                                   # index of the block in its prefix chain
     count: int = 0
     times: list[float] = field(default_factory=list)     # the last MAX_HISTORY access times
+    # Fan-out, kept only where a policy ranks by it (`EvictionPolicy.tracks_fanout`):
+    last_child: Optional[bytes] = None           # hash of the block that last continued this one
+    branch_pending: bool = False                 # a request opened a new branch below; its access is due
+    newest_branched: bool = False                # the newest access opened a branch
+    branches: tuple[float, ...] = ()             # earlier accesses that opened one (last MAX_HISTORY)
 
     def record(self, now: float) -> None:
         self.count += 1
         times = self.times
+        if self.newest_branched:
+            # The newest access is about to become an earlier one: keep it as a branch access.
+            self.branches = (self.branches + (times[-1],))[-MAX_HISTORY:]
+        self.newest_branched, self.branch_pending = self.branch_pending, False
         times.append(now)
         if len(times) > MAX_HISTORY:
             del times[0]
 
 
+def note_continuation(parent: AccessStats, child: bytes) -> bool:
+    """Records that the block `child` continues `parent`'s prefix. True when that opens a new
+    branch: the parent was continued by another block before (a first continuation, such as the
+    next turn of a conversation, is not a branch; a second conversation on a system prompt is)."""
+    previous, parent.last_child = parent.last_child, child
+    return previous is not None and previous != child
+
+
+def _log2_heat(newest: float, older: Iterable[float], half_life_s: float) -> float:
+    """log2 sum_i 2^(t_i / h) over `newest` and `older`, factored around the newest so nothing
+    overflows. Two heats keep their order as time passes (both decay by the same factor)."""
+    total = 1.0
+    for t in older:
+        total += 2.0 ** ((t - newest) / half_life_s)
+    return newest / half_life_s + math.log2(total)
+
+
 class EvictionPolicy:
     """Lower priority = evicted first. Subclasses set `name` and implement `priority`."""
     name = ""
+    tracks_fanout = False        # whether the cache must keep AccessStats' fan-out fields up to date
 
     def priority(self, stats: AccessStats) -> float:
         raise NotImplementedError
@@ -103,15 +139,7 @@ class LRUKPolicy(EvictionPolicy):
         times = stats.times
         if not times:
             return _NEVER
-        newest = times[-1]
-        h = self.half_life_s
-        # log2 sum_i 2^(t_i / h) over the last K accesses, factored around the newest one so
-        # nothing overflows.
-        total = 1.0
-        n = len(times)
-        for i in range(max(0, n - self.k), n - 1):
-            total += 2.0 ** ((times[i] - newest) / h)
-        return newest / h + math.log2(total)
+        return _log2_heat(times[-1], times[max(0, len(times) - self.k):-1], self.half_life_s)
 
     @property
     def label(self) -> str:
@@ -136,6 +164,33 @@ class LFUAgePolicy(EvictionPolicy):
 
     def clone(self) -> "LFUAgePolicy":
         return LFUAgePolicy()
+
+
+class FanoutPolicy(EvictionPolicy):
+    """Heat of the newest access and the K-1 latest earlier accesses that opened a branch."""
+    name = "fanout"
+    tracks_fanout = True
+
+    def __init__(self, k: int = 2, half_life_s: float = 120.0) -> None:
+        if not 1 <= k <= MAX_HISTORY:
+            raise ValueError(f"fanout needs 1 <= K <= {MAX_HISTORY}, got {k}")
+        if not half_life_s > 0:
+            raise ValueError(f"the heat half-life must be > 0 seconds, got {half_life_s}")
+        self.k = k
+        self.half_life_s = half_life_s
+
+    def priority(self, stats: AccessStats) -> float:
+        if not stats.times:
+            return _NEVER
+        older = stats.branches[-(self.k - 1):] if self.k > 1 else ()
+        return _log2_heat(stats.times[-1], older, self.half_life_s)
+
+    @property
+    def label(self) -> str:
+        return f"fanout(k={self.k},h={self.half_life_s:g}s)"
+
+    def clone(self) -> "FanoutPolicy":
+        return FanoutPolicy(self.k, self.half_life_s)
 
 
 class Evictor:
@@ -220,7 +275,7 @@ class Evictor:
         return list(self._live)
 
 
-POLICY_NAMES = ("lru", "lru-k", "lfu-age", "adaptive")
+POLICY_NAMES = ("lru", "lru-k", "lfu-age", "fanout", "adaptive")
 
 
 def make_policy(name: str, *, lru_k: int = 2, half_life_s: float = 120.0, num_blocks: int = 0,
@@ -232,6 +287,8 @@ def make_policy(name: str, *, lru_k: int = 2, half_life_s: float = 120.0, num_bl
         return LRUKPolicy(lru_k, half_life_s)
     if name == "lfu-age":
         return LFUAgePolicy()
+    if name == "fanout":
+        return FanoutPolicy(lru_k, half_life_s)
     if name == "adaptive":
         from kvserve.kvcache.adaptive import AdaptivePolicy, default_arms
         return AdaptivePolicy(default_arms(lru_k, half_life_s), num_blocks, **(adaptive_options or {}))

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import xxhash
 
 from kvserve.kvcache.adaptive import AdaptivePolicy, AdaptiveSnapshot
-from kvserve.kvcache.eviction import AccessStats, EvictionPolicy, Evictor
+from kvserve.kvcache.eviction import AccessStats, EvictionPolicy, Evictor, note_continuation
 
 _ROOT_DOMAIN = b"kvserve.prefix.v1\0"
 
@@ -160,6 +160,7 @@ class PrefixCache:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.evictions: dict[str, int] = {}
+        self._track_fanout = policy.tracks_fanout
         if isinstance(policy, AdaptivePolicy):
             policy.on_switch = self._rekey
 
@@ -206,7 +207,21 @@ class PrefixCache:
         cached = CachedBlock(block_id, block_hash, parent_hash, tuple(token_ids), namespace, stats)
         self._by_hash[block_hash] = cached
         self._by_block[block_id] = cached
+        if self._track_fanout:
+            self._note_branch(parent_hash, block_hash)
         return True
+
+    def _note_branch(self, parent_hash: bytes, block_hash: bytes) -> None:
+        """If the new block continues its parent differently than before, the request's coming
+        access to the parent and to every ancestor counts as a branch (fan-out). Only a flag is
+        set, so no evictable block's priority changes here; and the ancestors are normally held
+        by the inserting request, whose release records that access."""
+        parent = self._by_hash.get(parent_hash)
+        if parent is None or not note_continuation(parent.stats, block_hash):
+            return
+        while parent is not None:
+            parent.stats.branch_pending = True
+            parent = self._by_hash.get(parent.parent_hash)
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_lookups += 1
