@@ -79,7 +79,8 @@ static void tile_store(float acc[MAX_MR][PANEL], int mr, float *y, int64_t ldy, 
 }
 
 #ifdef KVS_AVX2
-static inline void load_panel_row(const void *w, int bf16, int64_t k, __m256 *w0, __m256 *w1) {
+static inline __attribute__((always_inline)) void load_panel_row(const void *w, const int bf16, int64_t k, __m256 *w0,
+                                                                 __m256 *w1) {
     if (bf16) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * PANEL));
         const __m256i zero = _mm256_setzero_si256();
@@ -92,61 +93,69 @@ static inline void load_panel_row(const void *w, int bf16, int64_t k, __m256 *w0
     }
 }
 
-/* MR is a literal at every call site, so each instance keeps its accumulators in registers. A full
- * panel is written straight from the registers (bias, accumulate); a partial one goes through acc_out. */
-static inline __attribute__((always_inline)) void micro_tile(const int MR, const float *x, int64_t ldx, const void *w,
-                                                             int bf16, int64_t K, float *y, int64_t ldy, int ncols,
-                                                             const float *bias, int accumulate,
-                                                             float acc_out[MAX_MR][PANEL]) {
-    __m256 acc0[MAX_MR], acc1[MAX_MR];
-    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+/* One MR x 16 tile. MR and BF16 are literals at every call site, and the accumulators are named
+ * variables, not an array: gcc kept an array of __m256 on the stack and stored it every k. */
+#define KVS_ROW_FMA(r)                                                              \
+    if (MR > r) {                                                                   \
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);                     \
+        c##r##a = _mm256_fmadd_ps(xv, w0, c##r##a);                                 \
+        c##r##b = _mm256_fmadd_ps(xv, w1, c##r##b);                                 \
+    }
+#define KVS_ROW_OUT(r)                                                              \
+    if (MR > r) {                                                                   \
+        _mm256_storeu_ps(acc_out[r], c##r##a);                                      \
+        _mm256_storeu_ps(acc_out[r] + 8, c##r##b);                                  \
+    }
+static inline __attribute__((always_inline)) void micro_tile(const int MR, const int BF16, const float *x, int64_t ldx,
+                                                             const void *w, int64_t K, float acc_out[MAX_MR][PANEL]) {
+    __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
+    __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
     int64_t k = 0;
     if (MR == 1) {
-        /* One row is bound by FMA latency, not by loads: two independent chains per half. */
-        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+        /* One row is bound by FMA latency, not by loads: a second pair of chains on odd k. */
         for (; k + 1 < K; k += 2) {
             __m256 w0, w1, v0, v1;
-            load_panel_row(w, bf16, k, &w0, &w1);
-            load_panel_row(w, bf16, k + 1, &v0, &v1);
+            load_panel_row(w, BF16, k, &w0, &w1);
+            load_panel_row(w, BF16, k + 1, &v0, &v1);
             const __m256 xa = _mm256_broadcast_ss(x + k), xb = _mm256_broadcast_ss(x + k + 1);
-            acc0[0] = _mm256_fmadd_ps(xa, w0, acc0[0]);
-            acc1[0] = _mm256_fmadd_ps(xa, w1, acc1[0]);
-            b0 = _mm256_fmadd_ps(xb, v0, b0);
-            b1 = _mm256_fmadd_ps(xb, v1, b1);
+            c0a = _mm256_fmadd_ps(xa, w0, c0a);
+            c0b = _mm256_fmadd_ps(xa, w1, c0b);
+            c1a = _mm256_fmadd_ps(xb, v0, c1a);
+            c1b = _mm256_fmadd_ps(xb, v1, c1b);
         }
-        acc0[0] = _mm256_add_ps(acc0[0], b0);
-        acc1[0] = _mm256_add_ps(acc1[0], b1);
+        c0a = _mm256_add_ps(c0a, c1a);
+        c0b = _mm256_add_ps(c0b, c1b);
     }
     for (; k < K; k++) {
         __m256 w0, w1;
-        load_panel_row(w, bf16, k, &w0, &w1);
-        for (int r = 0; r < MR; r++) {
-            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
-            acc0[r] = _mm256_fmadd_ps(xv, w0, acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(xv, w1, acc1[r]);
-        }
+        load_panel_row(w, BF16, k, &w0, &w1);
+        KVS_ROW_FMA(0) KVS_ROW_FMA(1) KVS_ROW_FMA(2) KVS_ROW_FMA(3) KVS_ROW_FMA(4) KVS_ROW_FMA(5)
     }
-    if (ncols == PANEL) {
-        const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-        const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-        for (int r = 0; r < MR; r++) {
-            float *row = y + r * ldy;
-            __m256 v0 = bias ? _mm256_add_ps(acc0[r], bias0) : acc0[r];
-            __m256 v1 = bias ? _mm256_add_ps(acc1[r], bias1) : acc1[r];
-            if (accumulate) {
-                v0 = _mm256_add_ps(_mm256_loadu_ps(row), v0);
-                v1 = _mm256_add_ps(_mm256_loadu_ps(row + 8), v1);
-            }
-            _mm256_storeu_ps(row, v0);
-            _mm256_storeu_ps(row + 8, v1);
-        }
+    KVS_ROW_OUT(0) KVS_ROW_OUT(1) KVS_ROW_OUT(2) KVS_ROW_OUT(3) KVS_ROW_OUT(4) KVS_ROW_OUT(5)
+}
+#undef KVS_ROW_FMA
+#undef KVS_ROW_OUT
+
+/* Writes a tile from acc (bias, accumulate): vector stores for a full panel. */
+static inline void tile_write(float acc[MAX_MR][PANEL], int mr, float *y, int64_t ldy, int ncols, const float *bias,
+                              int accumulate) {
+    if (ncols != PANEL) {
+        tile_store(acc, mr, y, ldy, ncols, bias, accumulate);
         return;
     }
-    for (int r = 0; r < MR; r++) {
-        _mm256_storeu_ps(acc_out[r], acc0[r]);
-        _mm256_storeu_ps(acc_out[r] + 8, acc1[r]);
+    const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    for (int r = 0; r < mr; r++) {
+        float *row = y + r * ldy;
+        __m256 v0 = _mm256_add_ps(_mm256_loadu_ps(acc[r]), bias0);
+        __m256 v1 = _mm256_add_ps(_mm256_loadu_ps(acc[r] + 8), bias1);
+        if (accumulate) {
+            v0 = _mm256_add_ps(_mm256_loadu_ps(row), v0);
+            v1 = _mm256_add_ps(_mm256_loadu_ps(row + 8), v1);
+        }
+        _mm256_storeu_ps(row, v0);
+        _mm256_storeu_ps(row + 8, v1);
     }
-    tile_store(acc_out, MR, y, ldy, ncols, bias, accumulate);
 }
 #endif
 
@@ -155,14 +164,19 @@ static void gemm_tile(int mr, const float *x, int64_t ldx, const void *w, int bf
                       int64_t ldy, int ncols, const float *bias, int accumulate) {
     float acc[MAX_MR][PANEL];
 #ifdef KVS_AVX2
+#define KVS_CASE(MR)                                                               \
+    case MR:                                                                       \
+        if (bf16) micro_tile(MR, 1, x, ldx, w, K, acc);                            \
+        else micro_tile(MR, 0, x, ldx, w, K, acc);                                 \
+        break;
     switch (mr) {
-    case 1: micro_tile(1, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
-    case 2: micro_tile(2, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
-    case 3: micro_tile(3, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
-    case 4: micro_tile(4, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
-    case 5: micro_tile(5, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
-    default: micro_tile(6, x, ldx, w, bf16, K, y, ldy, ncols, bias, accumulate, acc); return;
+        KVS_CASE(1) KVS_CASE(2) KVS_CASE(3) KVS_CASE(4) KVS_CASE(5)
+    default:
+        if (bf16) micro_tile(6, 1, x, ldx, w, K, acc);
+        else micro_tile(6, 0, x, ldx, w, K, acc);
     }
+#undef KVS_CASE
+    tile_write(acc, mr, y, ldy, ncols, bias, accumulate);
 #else
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < PANEL; c++) acc[r][c] = 0.0f;
@@ -284,138 +298,161 @@ static inline float load1(const void *base, int bf16, int64_t index) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Paged attention for one (query token, KV head): its G query heads share each K/V row read.
- * scores: scratch of G * length floats followed by length int64 row offsets (SCRATCH_FLOATS).
+ * Paged attention for one query token over KV heads [h0, h1): every K and V row of its context is
+ * read once, in order (a block's rows are contiguous across heads), for all the query heads of
+ * those KV heads. Over a long batch of contexts this is a DRAM stream; reading one head at a time
+ * would touch each row's cache lines in several strided passes.
  * ------------------------------------------------------------------------------------------------ */
-static void attend(const float *q, float *out, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
-                   int kv_bf16, const int64_t *table, int64_t length, int64_t block_size, int64_t token_stride,
-                   int64_t head_offset, float scale, float *scores) {
+
+/* Floats of attention scratch one thread needs for contexts up to max_context. */
+static inline int64_t attention_scratch_floats(int64_t num_heads, int64_t max_context) {
+    const int64_t length = max_context > 0 ? max_context : 1;
+    return num_heads * length + 1 + 2 * length + 16;
+}
+
+int64_t kvs_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t max_context) {
+    (void)num_kv_heads;
+    return attention_scratch_floats(num_heads, max_context);
+}
+
+static inline void prefetch_span(const char *start, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at);
+}
+
+static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G, int64_t D, const void *k_cache,
+                   const void *v_cache, int kv_bf16, const int64_t *table, int64_t length, int64_t block_size,
+                   int64_t token_stride, float scale, float *scratch) {
+    const int64_t heads = (h1 - h0) * G;
+    float *outs = out + h0 * G * D;
+    const float *qs = q + h0 * G * D;
     if (length <= 0) {
-        memset(out, 0, sizeof(float) * (size_t)(G * D));
+        memset(outs, 0, sizeof(float) * (size_t)(heads * D));
         return;
     }
-/* Each key's element offset, walked block by block: no division per key. */
-#define FOR_EACH_ROW(t, row, body_)                                                        \
-    for (int64_t t = 0, blk_ = 0, off_ = 0; t < length; t++) {                             \
-        const int64_t row = (table[blk_] * block_size + off_) * token_stride + head_offset; \
-        body_;                                                                              \
-        if (++off_ == block_size) { off_ = 0; blk_++; }                                     \
+    float *scores = scratch;                                    /* [heads, length] */
+    int64_t *rows = (int64_t *)(scratch + ((heads * length + 1) & ~(int64_t)1));   /* 8-byte aligned */
+    for (int64_t t = 0, blk = 0, off = 0; t < length; t++) {     /* block by block: no division per key */
+        rows[t] = (table[blk] * block_size + off) * token_stride;
+        if (++off == block_size) { off = 0; blk++; }
     }
-    int64_t *rows = (int64_t *)(scores + ((G * length + 1) & ~(int64_t)1));   /* 8-byte aligned */
-    FOR_EACH_ROW(t, row, rows[t] = row)
+    const int elem = kv_bf16 ? 2 : 4;
+    const size_t span_bytes = (size_t)((h1 - h0) * D * elem);    /* one row's bytes for these heads */
     /* 1. scores = q . k * scale, four keys at a time (one horizontal reduction for all four). */
     for (int64_t t0 = 0; t0 < length; t0 += 4) {
         int64_t quad[4];
         const int64_t count = length - t0 < 4 ? length - t0 : 4;
         for (int j = 0; j < 4; j++) quad[j] = rows[t0 + (j < count ? j : 0)];
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + g * D;
-            float dots[4];
+        /* The next blocks are elsewhere in memory: fetch rows 8-11 ahead (all lines of their heads)
+         * while these four are computed, so the loop does not wait on DRAM at each block boundary. */
+        for (int64_t ahead = t0 + 8; ahead < t0 + 12 && ahead < length; ahead++)
+            prefetch_span((const char *)k_cache + (size_t)(rows[ahead] + h0 * D) * elem, span_bytes);
+        for (int64_t h = h0; h < h1; h++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qs + ((h - h0) * G + g) * D;
+                const int64_t head_offset = h * D;
+                float dots[4];
 #ifdef KVS_AVX2
-            if (D % 8 == 0) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t d = 0; d < D; d += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + d);
-                    a0 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[0] + d), a0);
-                    a1 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[1] + d), a1);
-                    a2 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[2] + d), a2);
-                    a3 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[3] + d), a3);
-                }
-                const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-            } else
+                if (D % 8 == 0) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int64_t d = 0; d < D; d += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qg + d);
+                        a0 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[0] + head_offset + d), a0);
+                        a1 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[1] + head_offset + d), a1);
+                        a2 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[2] + head_offset + d), a2);
+                        a3 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[3] + head_offset + d), a3);
+                    }
+                    const __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                    _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)));
+                } else
 #endif
-            {
-                for (int j = 0; j < 4; j++) {
-                    float s = 0.0f;
-                    for (int64_t d = 0; d < D; d++) s += qg[d] * load1(k_cache, kv_bf16, quad[j] + d);
-                    dots[j] = s;
+                {
+                    for (int j = 0; j < 4; j++) {
+                        float acc = 0.0f;
+                        for (int64_t d = 0; d < D; d++) acc += qg[d] * load1(k_cache, kv_bf16, quad[j] + head_offset + d);
+                        dots[j] = acc;
+                    }
                 }
+                float *row = scores + ((h - h0) * G + g) * length + t0;
+                for (int64_t j = 0; j < count; j++) row[j] = dots[j] * scale;
             }
-            for (int64_t j = 0; j < count; j++) scores[g * length + t0 + j] = dots[j] * scale;
-        }
     }
     /* 2. softmax per head. */
-    for (int64_t g = 0; g < G; g++) {
-        float *s = scores + g * length;
-        float peak = s[0];
-        for (int64_t t = 1; t < length; t++) peak = s[t] > peak ? s[t] : peak;
+    for (int64_t head = 0; head < heads; head++) {
+        float *sc = scores + head * length;
+        float peak = sc[0];
+        for (int64_t t = 1; t < length; t++) peak = sc[t] > peak ? sc[t] : peak;
         float total = 0.0f;
         int64_t t = 0;
 #ifdef KVS_AVX2
         __m256 sum8 = _mm256_setzero_ps();
         const __m256 peak8 = _mm256_set1_ps(peak);
         for (; t + 8 <= length; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), peak8));
-            _mm256_storeu_ps(s + t, e);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), peak8));
+            _mm256_storeu_ps(sc + t, e);
             sum8 = _mm256_add_ps(sum8, e);
         }
         total = hsum8(sum8);
 #endif
         for (; t < length; t++) {
-            s[t] = expf(s[t] - peak);
-            total += s[t];
+            sc[t] = expf(sc[t] - peak);
+            total += sc[t];
         }
         const float inv = 1.0f / total;
-        for (t = 0; t < length; t++) s[t] *= inv;
+        for (t = 0; t < length; t++) sc[t] *= inv;
     }
-    /* 3. out = p @ V, 32 channels of every head at a time (four independent FMA chains). */
-    for (int64_t g = 0; g < G; g++) {
-        const float *p = scores + g * length;
-        float *o = out + g * D;
-        int64_t d0 = 0;
+    /* 3. out = p @ V: each V row read once, 32 channels at a time for every query head of its KV
+     * head (the accumulators live in `out`, in L1). */
+    memset(outs, 0, sizeof(float) * (size_t)(heads * D));
+    for (int64_t t = 0; t < length; t++) {
+        if (t + 4 < length)
+            prefetch_span((const char *)v_cache + (size_t)(rows[t + 4] + h0 * D) * elem, span_bytes);
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t row = rows[t] + h * D;
+            int64_t d0 = 0;
 #ifdef KVS_AVX2
-        for (; d0 + 32 <= D; d0 += 32) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t t = 0; t < length; t++) {
-                const int64_t row = rows[t] + d0;
-                const __m256 pt = _mm256_set1_ps(p[t]);
-                a0 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row), a0);
-                a1 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 8), a1);
-                a2 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 16), a2);
-                a3 = _mm256_fmadd_ps(pt, load8(v_cache, kv_bf16, row + 24), a3);
+            for (; d0 + 32 <= D; d0 += 32) {
+                const __m256 v0 = load8(v_cache, kv_bf16, row + d0), v1 = load8(v_cache, kv_bf16, row + d0 + 8);
+                const __m256 v2 = load8(v_cache, kv_bf16, row + d0 + 16), v3 = load8(v_cache, kv_bf16, row + d0 + 24);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m256 pt = _mm256_set1_ps(scores[((h - h0) * G + g) * length + t]);
+                    float *o = outs + ((h - h0) * G + g) * D + d0;
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(pt, v0, _mm256_loadu_ps(o)));
+                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(pt, v1, _mm256_loadu_ps(o + 8)));
+                    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(pt, v2, _mm256_loadu_ps(o + 16)));
+                    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(pt, v3, _mm256_loadu_ps(o + 24)));
+                }
             }
-            _mm256_storeu_ps(o + d0, a0);
-            _mm256_storeu_ps(o + d0 + 8, a1);
-            _mm256_storeu_ps(o + d0 + 16, a2);
-            _mm256_storeu_ps(o + d0 + 24, a3);
-        }
 #endif
-        for (int64_t d = d0; d < D; d++) o[d] = 0.0f;
-        if (d0 < D)
-            for (int64_t t = 0; t < length; t++)
-                for (int64_t d = d0; d < D; d++) o[d] += p[t] * load1(v_cache, kv_bf16, rows[t] + d);
+            for (int64_t g = 0; g < G && d0 < D; g++) {
+                const float pt = scores[((h - h0) * G + g) * length + t];
+                float *o = outs + ((h - h0) * G + g) * D;
+                for (int64_t d = d0; d < D; d++) o[d] += pt * load1(v_cache, kv_bf16, row + d);
+            }
+        }
     }
-#undef FOR_EACH_ROW
-}
-
-/* Floats of attention scratch one thread needs for contexts up to max_context. */
-static inline int64_t attention_scratch_floats(int64_t G, int64_t max_context) {
-    const int64_t length = max_context > 0 ? max_context : 1;
-    return G * length + 1 + 2 * length + 16;
-}
-
-int64_t kvs_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t max_context) {
-    return attention_scratch_floats(num_heads / num_kv_heads, max_context);
 }
 
 /* Attention for T query tokens over the paged cache. q rows [T, q_stride] hold heads x D from column
  * 0; out rows [T, out_stride]. Token t attends to the first context_lens[t] tokens of the sequence
- * in row token_seqs[t] of block_tables. scratch: POOL_SIZE() * G * max(context_lens) floats. */
+ * in row token_seqs[t] of block_tables. scratch: POOL_SIZE() * kvs_attention_scratch(...) floats.
+ * A work unit is one token (all its heads: one pass over its rows); with fewer tokens than can
+ * keep every thread busy, one (token, KV head). */
 void kvs_paged_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride, int64_t T,
                          const void *k_cache, const void *v_cache, int32_t kv_bf16, const int64_t *block_tables,
                          int64_t max_blocks, const int32_t *token_seqs, const int32_t *context_lens,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                          float *scratch, int64_t scratch_per_thread) {
-    const int64_t G = num_heads / num_kv_heads, units = T * num_kv_heads;
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t split = T < 4 * (int64_t)POOL_SIZE() ? num_kv_heads : 1;   /* units per token */
+    const int64_t units = T * split, heads_per_unit = num_kv_heads / split;
     int64_t work = 0;
     for (int64_t t = 0; t < T; t++) work += context_lens[t];
 #pragma omp parallel for schedule(dynamic, 1) if (units > 1 && work * num_heads * head_dim > PARALLEL_MIN_ELEMENTS)
     for (int64_t unit = 0; unit < units; unit++) {
-        const int64_t t = unit / num_kv_heads, h = unit % num_kv_heads;
-        attend(q + t * q_stride + h * G * head_dim, out + t * out_stride + h * G * head_dim, G, head_dim, k_cache,
-               v_cache, kv_bf16, block_tables + (int64_t)token_seqs[t] * max_blocks, context_lens[t], block_size,
-               num_kv_heads * head_dim, h * head_dim, scale, scratch + TEAM_RANK() * scratch_per_thread);
+        const int64_t t = unit / split, h0 = (unit % split) * heads_per_unit;
+        attend(q + t * q_stride, out + t * out_stride, h0, h0 + heads_per_unit, G, head_dim, k_cache, v_cache, kv_bf16,
+               block_tables + (int64_t)token_seqs[t] * max_blocks, context_lens[t], block_size,
+               num_kv_heads * head_dim, scale, scratch + TEAM_RANK() * scratch_per_thread);
     }
 }
 
@@ -523,7 +560,7 @@ typedef struct {
 /* Floats of workspace kvs_llama_forward needs for T tokens whose longest context is max_context. */
 int64_t kvs_llama_workspace(const kvs_dims *d, int64_t T, int64_t max_context) {
     const int64_t q = d->num_heads * d->head_dim, kv = d->num_kv_heads * d->head_dim;
-    const int64_t per_thread = attention_scratch_floats(d->num_heads / d->num_kv_heads, max_context);
+    const int64_t per_thread = attention_scratch_floats(d->num_heads, max_context);
     return T * (d->hidden_size + q + 2 * kv + q + 3 * d->intermediate_size) + POOL_SIZE() * per_thread;
 }
 
@@ -538,7 +575,7 @@ int kvs_llama_forward(const kvs_dims *d, const kvs_layer *layers, const float *f
     int64_t max_context = 0;
     for (int64_t t = 0; t < T; t++) max_context = context_lens[t] > max_context ? context_lens[t] : max_context;
     if (kvs_llama_workspace(d, T, max_context) > work_floats) return -1;
-    const int64_t per_thread = attention_scratch_floats(d->num_heads / d->num_kv_heads, max_context);
+    const int64_t per_thread = attention_scratch_floats(d->num_heads, max_context);
     float *x = work, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * q_width;
     float *act = gate_up + T * 2 * I, *scratch = act + T * I;
     const int wb = d->weight_bf16;
