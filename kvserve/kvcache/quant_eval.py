@@ -326,6 +326,11 @@ def calibrate(engine, token_ids: list[int], chunk_len: int = 512) -> dict[str, t
     absmax: dict[str, torch.Tensor] = {}
     layer_of = {id(pair[0]): index for index, pair in enumerate(runner.kv_caches)}
     real_backend = runner.backend
+    if getattr(real_backend, "runs_whole_model", False):
+        # The native CPU forward has no per-layer hook; the torch reference sees each layer's K/V
+        # (the model's packed linears run either way).
+        from kvserve.attention.backend import TorchAttentionBackend
+        real_backend = TorchAttentionBackend()
 
     class _Capture:
         name = real_backend.name
