@@ -1,4 +1,5 @@
-"""fp32 CPU linear: torch's F.linear vs the oneDNN-packed weight kvserve uses (kvserve/model/cpu_linear.py).
+"""CPU linear: torch's F.linear, the oneDNN-packed fp32 weight (kvserve/model/cpu_linear.py, the torch path)
+and the native panel-packed GEMM in fp32 and bf16 weights (kvserve/kernels/cpu, the native path).
 
 Shapes are the default model's (SmolLM2-135M: hidden 576, intermediate 1536, vocab 49152). Several weight copies
 per shape so they stream from memory, as in a real forward, instead of sitting in the L3 cache.
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from kvserve.kernels import cpu as cpu_kernels
 from kvserve.model.cpu_linear import PackedLinear, can_pack
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -45,6 +47,8 @@ def main() -> None:
         copies = 1 if out_features > 10_000 else 8
         weights = [torch.randn(out_features, in_features) for _ in range(copies)]
         packed = [PackedLinear(w, None) for w in weights]
+        native = {dtype: [cpu_kernels.pack_weight(w, dtype == "bf16") for w in weights] for dtype in ("fp32", "bf16")} \
+            if cpu_kernels.available() else {}
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, in_features)
             plain = _median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights], args.repeats) / copies
@@ -52,8 +56,14 @@ def main() -> None:
             flops = 2 * rows * out_features * in_features
             point = {"layer": name, "rows": rows, "torch_linear_ms": round(plain, 4), "onednn_packed_ms": round(onednn, 4),
                      "speedup": round(plain / onednn, 2), "onednn_gflops": round(flops / onednn / 1e6, 1)}
+            line = f"{name:8s} rows {rows:4d}: torch {plain:8.3f} ms  oneDNN {onednn:8.3f} ms"
+            for dtype, panels in native.items():
+                ms = _median_ms(lambda: [cpu_kernels.linear(x, p, out_features) for p in panels], args.repeats) / copies
+                point[f"native_{dtype}_ms"] = round(ms, 4)
+                point[f"native_{dtype}_gflops"] = round(flops / ms / 1e6, 1)
+                line += f"  native {dtype} {ms:8.3f} ms"
             points.append(point)
-            print(f"{name:8s} rows {rows:4d}: torch {plain:8.3f} ms  packed {onednn:8.3f} ms  x{plain / onednn:.2f}")
+            print(line)
     if args.json:
         result = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__, "threads": torch.get_num_threads(),
                   "platform": platform.platform(), "processor": platform.processor(), "points": points}

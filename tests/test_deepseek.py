@@ -106,7 +106,9 @@ def alone(engine_llm):
     dict(kv_cache_memory=None, block_size=4),             # tiny pool: forces preemption (set below)
     dict(max_num_seqs=1),                                 # one at a time
     dict(enforce_eager=True, attention_backend="torch"),  # on CUDA: reference vs triton + CUDA graphs
-], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference"])
+    dict(async_scheduling="on"),                          # overlapped scheduling (the CUDA default) on any device
+    dict(async_scheduling="off"),                         # the synchronous engine on any device
+], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference", "async", "sync"])
 def test_batch_invariance(checkpoint, engine_llm, alone, overrides):
     folder, _ = checkpoint
     reference_llm, _ = engine_llm

@@ -82,7 +82,9 @@ def test_greedy_matches_transformers(engine_llm):
     dict(kv_cache_memory=None, block_size=4),             # tiny pool: forces preemption (set below)
     dict(max_num_seqs=1),                                 # one at a time
     dict(enforce_eager=True, attention_backend="torch"),  # on CUDA: reference vs triton + CUDA graphs
-], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference"])
+    dict(async_scheduling="on"),                          # overlapped scheduling (the CUDA default) on any device
+    dict(async_scheduling="off"),                         # the synchronous engine on any device
+], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference", "async", "sync"])
 def test_batch_invariance(tiny_checkpoint, engine_llm, overrides):
     folder, _ = tiny_checkpoint
     reference_llm, _ = engine_llm
