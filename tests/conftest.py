@@ -69,3 +69,36 @@ def tiny_checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = build_tiny_checkpoint(request.param, folder)
     return str(folder), model
+
+
+# Batch invariance (tests/test_model_vs_transformers.py, tests/test_deepseek.py): each case's engine
+# options; a prompt's greedy tokens must equal those it gets alone.
+INVARIANCE_CASES = {
+    "chunked-prefill": dict(max_num_batched_tokens=5),                  # chunks over a cached prefix
+    "preemption": dict(kv_cache_memory=None, block_size=4),             # tiny pool (sized below)
+    "serial": dict(max_num_seqs=1),                                     # one at a time
+    "eager-torch-reference": dict(enforce_eager=True, attention_backend="torch"),  # on CUDA: vs triton + graphs
+    "async": dict(async_scheduling="on"),                               # overlapped scheduling on any device
+    "sync": dict(async_scheduling="off"),                               # the synchronous engine on any device
+}
+
+
+def assert_batch_invariant(folder: str, reference_llm, alone: list[list[int]], prompts: list[list[int]],
+                           max_new: int, options: dict, overrides: dict) -> None:
+    """Runs every prompt in one batch under `options` and checks each equals its run alone, that
+    every block comes back, and (for the tiny pool) that preemption happened."""
+    from kvserve import LLM, SamplingParams
+    options = dict(options)
+    if "block_size" in overrides:
+        # Room for the longest request plus a little: several requests cannot all fit.
+        per_token = reference_llm.engine.kv_bytes_per_token
+        options["kv_cache_memory"] = per_token * (max(len(p) for p in prompts) + max_new + 8)
+    llm = LLM(folder, **options)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in
+               llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert batched == alone
+    engine = llm.engine
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    if "block_size" in overrides:
+        assert engine.scheduler.num_preemptions_total > 0

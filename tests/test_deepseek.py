@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import TEST_DEVICE
+from conftest import INVARIANCE_CASES, TEST_DEVICE, assert_batch_invariant
 from deepseek_fixtures import build_tiny_deepseek, tiny_deepseek_config
 from kvserve import LLM, SamplingParams
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
@@ -101,30 +101,13 @@ def alone(engine_llm):
     return [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(max_num_batched_tokens=5),                       # chunked prefill: chunks over a cached latent prefix
-    dict(kv_cache_memory=None, block_size=4),             # tiny pool: forces preemption (set below)
-    dict(max_num_seqs=1),                                 # one at a time
-    dict(enforce_eager=True, attention_backend="torch"),  # on CUDA: reference vs triton + CUDA graphs
-    dict(async_scheduling="on"),                          # overlapped scheduling (the CUDA default) on any device
-    dict(async_scheduling="off"),                         # the synchronous engine on any device
-], ids=["chunked-prefill", "preemption", "serial", "eager-torch-reference", "async", "sync"])
-def test_batch_invariance(checkpoint, engine_llm, alone, overrides):
+@pytest.mark.parametrize("case", list(INVARIANCE_CASES))
+def test_batch_invariance(checkpoint, engine_llm, alone, case):
+    """As for Llama; here chunked prefill attends over a cached latent prefix."""
     folder, _ = checkpoint
     reference_llm, _ = engine_llm
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    options = _options(**overrides)
-    if "block_size" in overrides:
-        per_token = reference_llm.engine.kv_bytes_per_token
-        options["kv_cache_memory"] = per_token * (len(PROMPTS[2]) + MAX_NEW + 8)
-    llm = LLM(folder, **options)
-    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert batched == alone
-    engine = llm.engine
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    if "block_size" in overrides:
-        assert engine.scheduler.num_preemptions_total > 0
+    overrides = INVARIANCE_CASES[case]
+    assert_batch_invariant(folder, reference_llm, alone, PROMPTS, MAX_NEW, _options(**overrides), overrides)
 
 
 def test_latent_cache_layout_and_bytes(engine_llm):
