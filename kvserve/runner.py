@@ -13,13 +13,12 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import get_attention_backend
-from kvserve.model.cpu_linear import can_pack, pack_linears
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
-from kvserve.engine.request import PENDING_TOKEN, Request
+from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.engine.sampling import Sampler, SamplingRow, compute_prompt_logprobs
-from kvserve.engine.request import RequestStatus
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kvcache.quant import KVCacheSpec, spec_from_config
+from kvserve.model.cpu_linear import can_pack, pack_linears
 
 
 @dataclass

@@ -71,6 +71,19 @@ def tiny_checkpoint(request, tmp_path_factory):
     return str(folder), model
 
 
+def prompt_logprob_errors(llm, hf_model, prompt: list[int]) -> "torch.Tensor":
+    """|our prompt logprob - transformers'| at each position after the first (the engine's
+    prompt_logprobs against log_softmax of the reference forward on the same prompt)."""
+    from kvserve import SamplingParams
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float(), -1)
+    ours = torch.tensor([out.prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt))])
+    expected = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], device=TEST_DEVICE)].cpu()
+    return (ours - expected).abs()
+
+
 # Batch invariance (tests/test_model_vs_transformers.py, tests/test_deepseek.py): each case's engine
 # options; a prompt's greedy tokens must equal those it gets alone.
 INVARIANCE_CASES = {

@@ -241,7 +241,7 @@ class Scheduler:
                 request.stop_reason = token_id
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._reaches_length_limit(request):
             self.finish(request, RequestStatus.FINISHED_LENGTH)
 
     def _reaches_length_limit(self, request: Request) -> bool:

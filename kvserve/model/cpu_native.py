@@ -83,7 +83,9 @@ class NativeCpuBackend:
     runs_whole_model = True
 
     def __init__(self) -> None:
-        self._prepared: dict[int, tuple] = {}     # id(kv_caches) -> (dims, layers, keep-alive)
+        # (dims, layer pointers, final norm, the kv_caches list they point into): built once per
+        # runner's caches; the pointers stay valid because weights and caches never move.
+        self._prepared: tuple | None = None
         self._workspace = torch.empty(0, dtype=torch.float32)
 
     def prepare(self, model: nn.Module, dtype: torch.dtype) -> None:
@@ -94,10 +96,8 @@ class NativeCpuBackend:
                 module.native_weight = module.weight.detach().float().contiguous()
 
     def _layers(self, model, kv_caches) -> tuple:
-        key = id(kv_caches)
-        prepared = self._prepared.get(key)
-        if prepared is not None and prepared[3] is kv_caches:
-            return prepared
+        if self._prepared is not None and self._prepared[3] is kv_caches:
+            return self._prepared
         attn0 = model.layers[0].self_attn
         k0 = kv_caches[0][0]
         dims = cpu_kernels.ModelDims(
@@ -116,9 +116,8 @@ class NativeCpuBackend:
                 setattr(entry, f"{prefix}_w", linear.packed_weight.data_ptr())
                 setattr(entry, f"{prefix}_b", _pointer(linear.bias))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        prepared = (dims, layers, model.norm.native_weight, kv_caches)
-        self._prepared = {key: prepared}
-        return prepared
+        self._prepared = (dims, layers, model.norm.native_weight, kv_caches)
+        return self._prepared
 
     def run_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
                   meta: AttentionMetadata) -> torch.Tensor:

@@ -94,7 +94,7 @@ def _library() -> ctypes.CDLL | None:
     library.kvs_paged_attention.argtypes = ([_p, _i64, _p, _i64, _i64, _p, _p, _i32, _p, _i64, _p, _p]
                                             + [_i64] * 4 + [ctypes.c_float, _p, _i64])
     library.kvs_attention_scratch.restype = _i64
-    library.kvs_attention_scratch.argtypes = [_i64, _i64, _i64]
+    library.kvs_attention_scratch.argtypes = [_i64, _i64]
     library.kvs_argmax_rows.restype = None
     library.kvs_argmax_rows.argtypes = [_p, _i64, _i64, _p]
     library.kvs_llama_workspace.restype = _i64
@@ -177,7 +177,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens and (int(token_seqs.min()) < 0 or int(token_seqs.max()) >= block_tables.shape[0]):
         raise ValueError("a token's sequence index is outside the block tables")
     out = torch.empty_like(query)
-    per_thread = library().kvs_attention_scratch(num_heads, num_kv_heads, longest)
+    per_thread = library().kvs_attention_scratch(num_heads, longest)
     scratch = torch.empty(per_thread * max(1, torch.get_num_threads()), dtype=torch.float32)
     width = num_heads * head_dim
     library().kvs_paged_attention(query.data_ptr(), width, out.data_ptr(), width, num_tokens, k_cache.data_ptr(),

@@ -310,8 +310,7 @@ static inline int64_t attention_scratch_floats(int64_t num_heads, int64_t max_co
     return num_heads * length + 1 + 2 * length + 16;
 }
 
-int64_t kvs_attention_scratch(int64_t num_heads, int64_t num_kv_heads, int64_t max_context) {
-    (void)num_kv_heads;
+int64_t kvs_attention_scratch(int64_t num_heads, int64_t max_context) {
     return attention_scratch_floats(num_heads, max_context);
 }
 
