@@ -7,9 +7,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 what=" ${*:-tests bench attn} "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' | tee -a "$OUT/gpu.txt"
-if [[ $what == *" tests "* ]]; then
-  timeout 360 python3 -m pytest -q -rfE -p no:cacheprovider tests ${PYTEST_EXTRA:-} 2>&1 | tail -80 > "$OUT/gpu_tests.log"
-  tail -25 "$OUT/gpu_tests.log"
+if [[ $what == *" tests "* ]]; then   # the whole suite on CUDA, in three groups run side by side (one call's time)
+  kernels="tests/test_triton_kernels.py tests/test_triton_model_ops.py"
+  deepseek="tests/test_kv_quant_triton.py tests/test_deepseek_kernels.py tests/test_deepseek.py"
+  timeout 540 python3 -m pytest -q -rfEs -p no:cacheprovider $kernels > "$OUT/gpu_tests_kernels.log" 2>&1 &
+  timeout 540 python3 -m pytest -q -rfEs -p no:cacheprovider $deepseek > "$OUT/gpu_tests_deepseek.log" 2>&1 &
+  timeout 540 python3 -m pytest -q -rfEs -p no:cacheprovider tests $(printf -- '--ignore=%s ' $kernels $deepseek) \
+    ${PYTEST_EXTRA:-} > "$OUT/gpu_tests_rest.log" 2>&1 &
+  wait
+  for log in "$OUT"/gpu_tests_*.log; do echo "== $log"; tail -3 "$log"; done
 fi
 if [[ $what == *" gputests "* ]]; then   # the CUDA-only kernel tests and the model/engine tests on CUDA
   timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_model_ops.py \
