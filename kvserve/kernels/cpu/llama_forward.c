@@ -276,10 +276,11 @@ static inline float load1(const void *base, int bf16, int64_t index) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Paged attention for one query token over KV heads [h0, h1): every K and V row of its context is
- * read once, in order (a block's rows are contiguous across heads), for all the query heads of
- * those KV heads. Over a long batch of contexts this is a DRAM stream; reading one head at a time
- * would touch each row's cache lines in several strided passes.
+ * Paged attention for one query token over KV heads [h0, h1): every K row of its context is read
+ * once, in order (a block's rows are contiguous across heads), for all the query heads of those KV
+ * heads, prefetched a few rows ahead, so over a long batch of contexts the scores are a DRAM stream.
+ * P @ V then walks the (now cached) V rows once per KV head and 16 channels, accumulating in
+ * registers. Both kernels load a K or V vector once for the whole query-head group (GQA).
  * ------------------------------------------------------------------------------------------------ */
 
 /* Floats of attention scratch one thread needs for contexts up to max_context. */
@@ -295,6 +296,73 @@ int64_t kvs_attention_scratch(int64_t num_heads, int64_t max_context) {
 static inline void prefetch_span(const char *start, size_t bytes) {
     for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at);
 }
+
+/* Scores of up to QK_HEADS query heads (one KV head's group) against four keys: each K vector is
+ * loaded (and widened from bf16) once for all the heads, 4 x GS accumulators stay in registers, and
+ * one horizontal-add tree per head reduces its four dot products. */
+#define QK_HEADS 3
+#ifdef KVS_AVX2
+#define KVS_QK_FMA(g)                                                                                 \
+    if (GS > g) {                                                                                     \
+        const __m256 qv = _mm256_loadu_ps(q + g * D + d);                                             \
+        a##g##0 = _mm256_fmadd_ps(qv, k0, a##g##0);                                                   \
+        a##g##1 = _mm256_fmadd_ps(qv, k1, a##g##1);                                                   \
+        a##g##2 = _mm256_fmadd_ps(qv, k2, a##g##2);                                                   \
+        a##g##3 = _mm256_fmadd_ps(qv, k3, a##g##3);                                                   \
+    }
+#define KVS_QK_OUT(g)                                                                                 \
+    if (GS > g) {                                                                                     \
+        const __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a##g##0, a##g##1), _mm256_hadd_ps(a##g##2, a##g##3)); \
+        _mm_storeu_ps(dots[g], _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)), \
+                                          _mm_set1_ps(scale)));                                       \
+    }
+static inline __attribute__((always_inline)) void qk_tile(const int GS, const float *q, int64_t D, const void *k_cache,
+                                                          int kv_bf16, const int64_t at[4], float scale,
+                                                          int64_t count, float *out, int64_t out_stride) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 k0 = load8(k_cache, kv_bf16, at[0] + d), k1 = load8(k_cache, kv_bf16, at[1] + d);
+        const __m256 k2 = load8(k_cache, kv_bf16, at[2] + d), k3 = load8(k_cache, kv_bf16, at[3] + d);
+        KVS_QK_FMA(0) KVS_QK_FMA(1) KVS_QK_FMA(2)
+    }
+    float dots[QK_HEADS][4];
+    KVS_QK_OUT(0) KVS_QK_OUT(1) KVS_QK_OUT(2)
+    for (int g = 0; g < GS; g++)
+        for (int64_t j = 0; j < count; j++) out[g * out_stride + j] = dots[g][j];
+}
+#undef KVS_QK_FMA
+#undef KVS_QK_OUT
+#endif
+
+/* out[g, 0:16] = sum_t p[g, t] * V[t, 0:16] for GS query heads of one KV head (`column` is the KV
+ * head's first channel of the 16 within a cache row). */
+#define PV_HEADS 3
+#ifdef KVS_AVX2
+#define KVS_PV_FMA(g)                                                                                 \
+    if (GS > g) {                                                                                     \
+        const __m256 pg = _mm256_broadcast_ss(p + g * length + t);                                    \
+        a##g##0 = _mm256_fmadd_ps(pg, v0, a##g##0);                                                   \
+        a##g##1 = _mm256_fmadd_ps(pg, v1, a##g##1);                                                   \
+    }
+#define KVS_PV_OUT(g)                                                                                 \
+    if (GS > g) {                                                                                     \
+        _mm256_storeu_ps(out + g * out_stride, a##g##0);                                              \
+        _mm256_storeu_ps(out + g * out_stride + 8, a##g##1);                                          \
+    }
+static inline __attribute__((always_inline)) void pv_tile(const int GS, const float *p, int64_t length,
+                                                          const int64_t *rows, const void *v_cache, int kv_bf16,
+                                                          int64_t column, float *out, int64_t out_stride) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    for (int64_t t = 0; t < length; t++) {
+        const __m256 v0 = load8(v_cache, kv_bf16, rows[t] + column), v1 = load8(v_cache, kv_bf16, rows[t] + column + 8);
+        KVS_PV_FMA(0) KVS_PV_FMA(1) KVS_PV_FMA(2)
+    }
+    KVS_PV_OUT(0) KVS_PV_OUT(1) KVS_PV_OUT(2)
+}
+#undef KVS_PV_FMA
+#undef KVS_PV_OUT
+#endif
 
 static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G, int64_t D, const void *k_cache,
                    const void *v_cache, int kv_bf16, const int64_t *table, int64_t length, int64_t block_size,
@@ -324,33 +392,25 @@ static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G
         for (int64_t ahead = t0 + 8; ahead < t0 + 12 && ahead < length; ahead++)
             prefetch_span((const char *)k_cache + (size_t)(rows[ahead] + h0 * D) * elem, span_bytes);
         for (int64_t h = h0; h < h1; h++)
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qs + ((h - h0) * G + g) * D;
-                const int64_t head_offset = h * D;
-                float dots[4];
+            for (int64_t g0 = 0; g0 < G; g0 += QK_HEADS) {
+                const int64_t gs = G - g0 < QK_HEADS ? G - g0 : QK_HEADS;
+                const float *qg = qs + ((h - h0) * G + g0) * D;
+                float *out_rows = scores + ((h - h0) * G + g0) * length + t0;
 #ifdef KVS_AVX2
                 if (D % 8 == 0) {
-                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                    for (int64_t d = 0; d < D; d += 8) {
-                        const __m256 qv = _mm256_loadu_ps(qg + d);
-                        a0 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[0] + head_offset + d), a0);
-                        a1 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[1] + head_offset + d), a1);
-                        a2 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[2] + head_offset + d), a2);
-                        a3 = _mm256_fmadd_ps(qv, load8(k_cache, kv_bf16, quad[3] + head_offset + d), a3);
-                    }
-                    const __m256 hs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-                    _mm_storeu_ps(dots, _mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)));
-                } else
-#endif
-                {
-                    for (int j = 0; j < 4; j++) {
-                        float acc = 0.0f;
-                        for (int64_t d = 0; d < D; d++) acc += qg[d] * load1(k_cache, kv_bf16, quad[j] + head_offset + d);
-                        dots[j] = acc;
-                    }
+                    const int64_t at[4] = {quad[0] + h * D, quad[1] + h * D, quad[2] + h * D, quad[3] + h * D};
+                    if (gs == 3) qk_tile(3, qg, D, k_cache, kv_bf16, at, scale, count, out_rows, length);
+                    else if (gs == 2) qk_tile(2, qg, D, k_cache, kv_bf16, at, scale, count, out_rows, length);
+                    else qk_tile(1, qg, D, k_cache, kv_bf16, at, scale, count, out_rows, length);
+                    continue;
                 }
-                float *row = scores + ((h - h0) * G + g) * length + t0;
-                for (int64_t j = 0; j < count; j++) row[j] = dots[j] * scale;
+#endif
+                for (int64_t g = 0; g < gs; g++)
+                    for (int64_t j = 0; j < count; j++) {
+                        float acc = 0.0f;
+                        for (int64_t d = 0; d < D; d++) acc += qg[g * D + d] * load1(k_cache, kv_bf16, quad[j] + h * D + d);
+                        out_rows[g * length + j] = acc * scale;
+                    }
             }
     }
     /* 2. softmax per head. */
@@ -377,36 +437,29 @@ static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G
         const float inv = 1.0f / total;
         for (t = 0; t < length; t++) sc[t] *= inv;
     }
-    /* 3. out = p @ V: each V row read once, 32 channels at a time for every query head of its KV
-     * head (the accumulators live in `out`, in L1). */
-    memset(outs, 0, sizeof(float) * (size_t)(heads * D));
-    for (int64_t t = 0; t < length; t++) {
-        if (t + 4 < length)
-            prefetch_span((const char *)v_cache + (size_t)(rows[t + 4] + h0 * D) * elem, span_bytes);
-        for (int64_t h = h0; h < h1; h++) {
-            const int64_t row = rows[t] + h * D;
+    /* 3. out = p @ V, per KV head, up to PV_HEADS of its query heads and 16 channels at a time: the
+     * 2 x PV_HEADS accumulators stay in registers over the whole context (accumulating in `out`
+     * instead put a store-to-load round trip on every key's dependency chain). */
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS) {
+            const int64_t gs = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
+            const float *p = scores + ((h - h0) * G + g0) * length;
+            float *o = outs + ((h - h0) * G + g0) * D;
             int64_t d0 = 0;
 #ifdef KVS_AVX2
-            for (; d0 + 32 <= D; d0 += 32) {
-                const __m256 v0 = load8(v_cache, kv_bf16, row + d0), v1 = load8(v_cache, kv_bf16, row + d0 + 8);
-                const __m256 v2 = load8(v_cache, kv_bf16, row + d0 + 16), v3 = load8(v_cache, kv_bf16, row + d0 + 24);
-                for (int64_t g = 0; g < G; g++) {
-                    const __m256 pt = _mm256_set1_ps(scores[((h - h0) * G + g) * length + t]);
-                    float *o = outs + ((h - h0) * G + g) * D + d0;
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(pt, v0, _mm256_loadu_ps(o)));
-                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(pt, v1, _mm256_loadu_ps(o + 8)));
-                    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(pt, v2, _mm256_loadu_ps(o + 16)));
-                    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(pt, v3, _mm256_loadu_ps(o + 24)));
-                }
+            for (; d0 + 16 <= D; d0 += 16) {
+                if (gs == 3) pv_tile(3, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+                else if (gs == 2) pv_tile(2, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+                else pv_tile(1, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
             }
 #endif
-            for (int64_t g = 0; g < G && d0 < D; g++) {
-                const float pt = scores[((h - h0) * G + g) * length + t];
-                float *o = outs + ((h - h0) * G + g) * D;
-                for (int64_t d = d0; d < D; d++) o[d] += pt * load1(v_cache, kv_bf16, row + d);
-            }
+            for (int64_t g = 0; g < gs; g++)
+                for (int64_t d = d0; d < D; d++) {
+                    float acc = 0.0f;
+                    for (int64_t t = 0; t < length; t++) acc += p[g * length + t] * load1(v_cache, kv_bf16, rows[t] + h * D + d);
+                    o[g * D + d] = acc;
+                }
         }
-    }
 }
 
 /* Attention for T query tokens over the paged cache. q rows [T, q_stride] hold heads x D from column
