@@ -279,8 +279,9 @@ static inline float load1(const void *base, int bf16, int64_t index) {
  * Paged attention for one query token over KV heads [h0, h1): every K row of its context is read
  * once, in order (a block's rows are contiguous across heads), for all the query heads of those KV
  * heads, prefetched a few rows ahead, so over a long batch of contexts the scores are a DRAM stream.
- * P @ V then walks the (now cached) V rows once per KV head and 16 channels, accumulating in
- * registers. Both kernels load a K or V vector once for the whole query-head group (GQA).
+ * P @ V streams the V rows the same way for a decode; for a prefill chunk's tokens, whose context is
+ * in cache, it accumulates in registers instead (pv_registers). K and V vectors are loaded once for
+ * a KV head's whole query-head group (GQA).
  * ------------------------------------------------------------------------------------------------ */
 
 /* Floats of attention scratch one thread needs for contexts up to max_context. */
@@ -364,9 +365,38 @@ static inline __attribute__((always_inline)) void pv_tile(const int GS, const fl
 #undef KVS_PV_OUT
 #endif
 
+/* out = p @ V over a context already in cache (a prefill chunk's tokens share their sequence's
+ * rows): per KV head, up to PV_HEADS of its query heads and 16 channels at a time, the accumulators
+ * in registers over the whole context (accumulating in `out` puts a store-to-load round trip on
+ * every key's dependency chain). Over a DRAM-resident context, its per-channel passes cost more than
+ * they save, so decodes use the one-pass loop in attend. */
+static void pv_registers(const float *scores, float *outs, int64_t h0, int64_t h1, int64_t G, int64_t D,
+                         const void *v_cache, int kv_bf16, const int64_t *rows, int64_t length) {
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS) {
+            const int64_t gs = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
+            const float *p = scores + ((h - h0) * G + g0) * length;
+            float *o = outs + ((h - h0) * G + g0) * D;
+            int64_t d0 = 0;
+#ifdef KVS_AVX2
+            for (; d0 + 16 <= D; d0 += 16) {
+                if (gs == 3) pv_tile(3, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+                else if (gs == 2) pv_tile(2, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+                else pv_tile(1, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+            }
+#endif
+            for (int64_t g = 0; g < gs; g++)
+                for (int64_t d = d0; d < D; d++) {
+                    float acc = 0.0f;
+                    for (int64_t t = 0; t < length; t++) acc += p[g * length + t] * load1(v_cache, kv_bf16, rows[t] + h * D + d);
+                    o[g * D + d] = acc;
+                }
+        }
+}
+
 static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G, int64_t D, const void *k_cache,
                    const void *v_cache, int kv_bf16, const int64_t *table, int64_t length, int64_t block_size,
-                   int64_t token_stride, float scale, float *scratch) {
+                   int64_t token_stride, float scale, int cached_context, float *scratch) {
     const int64_t heads = (h1 - h0) * G;
     float *outs = out + h0 * G * D;
     const float *qs = q + h0 * G * D;
@@ -437,29 +467,41 @@ static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G
         const float inv = 1.0f / total;
         for (t = 0; t < length; t++) sc[t] *= inv;
     }
-    /* 3. out = p @ V, per KV head, up to PV_HEADS of its query heads and 16 channels at a time: the
-     * 2 x PV_HEADS accumulators stay in registers over the whole context (accumulating in `out`
-     * instead put a store-to-load round trip on every key's dependency chain). */
-    for (int64_t h = h0; h < h1; h++)
-        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS) {
-            const int64_t gs = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
-            const float *p = scores + ((h - h0) * G + g0) * length;
-            float *o = outs + ((h - h0) * G + g0) * D;
+    if (cached_context) {
+        pv_registers(scores, outs, h0, h1, G, D, v_cache, kv_bf16, rows, length);
+        return;
+    }
+    /* 3. out = p @ V for a context read from DRAM: each V row once, in order, 32 channels at a time
+     * for every query head of its KV head (the accumulators live in `out`, in L1), prefetching
+     * 4 rows ahead. */
+    memset(outs, 0, sizeof(float) * (size_t)(heads * D));
+    for (int64_t t = 0; t < length; t++) {
+        if (t + 4 < length)
+            prefetch_span((const char *)v_cache + (size_t)(rows[t + 4] + h0 * D) * elem, span_bytes);
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t row = rows[t] + h * D;
             int64_t d0 = 0;
 #ifdef KVS_AVX2
-            for (; d0 + 16 <= D; d0 += 16) {
-                if (gs == 3) pv_tile(3, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
-                else if (gs == 2) pv_tile(2, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
-                else pv_tile(1, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+            for (; d0 + 32 <= D; d0 += 32) {
+                const __m256 v0 = load8(v_cache, kv_bf16, row + d0), v1 = load8(v_cache, kv_bf16, row + d0 + 8);
+                const __m256 v2 = load8(v_cache, kv_bf16, row + d0 + 16), v3 = load8(v_cache, kv_bf16, row + d0 + 24);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m256 pt = _mm256_set1_ps(scores[((h - h0) * G + g) * length + t]);
+                    float *o = outs + ((h - h0) * G + g) * D + d0;
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(pt, v0, _mm256_loadu_ps(o)));
+                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(pt, v1, _mm256_loadu_ps(o + 8)));
+                    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(pt, v2, _mm256_loadu_ps(o + 16)));
+                    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(pt, v3, _mm256_loadu_ps(o + 24)));
+                }
             }
 #endif
-            for (int64_t g = 0; g < gs; g++)
-                for (int64_t d = d0; d < D; d++) {
-                    float acc = 0.0f;
-                    for (int64_t t = 0; t < length; t++) acc += p[g * length + t] * load1(v_cache, kv_bf16, rows[t] + h * D + d);
-                    o[g * D + d] = acc;
-                }
+            for (int64_t g = 0; g < G && d0 < D; g++) {
+                const float pt = scores[((h - h0) * G + g) * length + t];
+                float *o = outs + ((h - h0) * G + g) * D;
+                for (int64_t d = d0; d < D; d++) o[d] += pt * load1(v_cache, kv_bf16, row + d);
+            }
         }
+    }
 }
 
 /* Attention for T query tokens over the paged cache. q rows [T, q_stride] hold heads x D from column
@@ -480,9 +522,11 @@ void kvs_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
 #pragma omp parallel for schedule(dynamic, 1) if (units > 1 && work * num_heads * head_dim > PARALLEL_MIN_ELEMENTS)
     for (int64_t unit = 0; unit < units; unit++) {
         const int64_t t = unit / split, h0 = (unit % split) * heads_per_unit;
+        /* A token next to another of its sequence (a prefill chunk) finds that sequence's rows in cache. */
+        const int cached = (t > 0 && token_seqs[t - 1] == token_seqs[t]) || (t + 1 < T && token_seqs[t + 1] == token_seqs[t]);
         attend(q + t * q_stride, out + t * out_stride, h0, h0 + heads_per_unit, G, head_dim, k_cache, v_cache, kv_bf16,
                block_tables + (int64_t)token_seqs[t] * max_blocks, context_lens[t], block_size,
-               num_kv_heads * head_dim, scale, scratch + TEAM_RANK() * scratch_per_thread);
+               num_kv_heads * head_dim, scale, cached, scratch + TEAM_RANK() * scratch_per_thread);
     }
 }
 
