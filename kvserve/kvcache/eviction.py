@@ -124,29 +124,34 @@ class LRUPolicy(EvictionPolicy):
         return LRUPolicy()
 
 
-class LRUKPolicy(EvictionPolicy):
-    name = "lru-k"
+class _HeatPolicy(EvictionPolicy):
+    """A block's heat: its newest access and K-1 earlier ones, each decaying with a half-life. The
+    subclasses differ in which earlier accesses count."""
 
     def __init__(self, k: int = 2, half_life_s: float = 120.0) -> None:
         if not 1 <= k <= MAX_HISTORY:
-            raise ValueError(f"lru-k needs 1 <= K <= {MAX_HISTORY}, got {k}")
+            raise ValueError(f"{self.name} needs 1 <= K <= {MAX_HISTORY}, got {k}")
         if not half_life_s > 0:
             raise ValueError(f"the heat half-life must be > 0 seconds, got {half_life_s}")
         self.k = k
         self.half_life_s = half_life_s
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}(k={self.k},h={self.half_life_s:g}s)"
+
+    def clone(self) -> "_HeatPolicy":
+        return type(self)(self.k, self.half_life_s)
+
+
+class LRUKPolicy(_HeatPolicy):
+    name = "lru-k"
 
     def priority(self, stats: AccessStats) -> float:
         times = stats.times
         if not times:
             return _NEVER
         return _log2_heat(times[-1], times[max(0, len(times) - self.k):-1], self.half_life_s)
-
-    @property
-    def label(self) -> str:
-        return f"lru-k(k={self.k},h={self.half_life_s:g}s)"
-
-    def clone(self) -> "LRUKPolicy":
-        return LRUKPolicy(self.k, self.half_life_s)
 
 
 class LFUAgePolicy(EvictionPolicy):
@@ -166,31 +171,16 @@ class LFUAgePolicy(EvictionPolicy):
         return LFUAgePolicy()
 
 
-class FanoutPolicy(EvictionPolicy):
+class FanoutPolicy(_HeatPolicy):
     """Heat of the newest access and the K-1 latest earlier accesses that opened a branch."""
     name = "fanout"
     tracks_fanout = True
-
-    def __init__(self, k: int = 2, half_life_s: float = 120.0) -> None:
-        if not 1 <= k <= MAX_HISTORY:
-            raise ValueError(f"fanout needs 1 <= K <= {MAX_HISTORY}, got {k}")
-        if not half_life_s > 0:
-            raise ValueError(f"the heat half-life must be > 0 seconds, got {half_life_s}")
-        self.k = k
-        self.half_life_s = half_life_s
 
     def priority(self, stats: AccessStats) -> float:
         if not stats.times:
             return _NEVER
         older = stats.branches[-(self.k - 1):] if self.k > 1 else ()
         return _log2_heat(stats.times[-1], older, self.half_life_s)
-
-    @property
-    def label(self) -> str:
-        return f"fanout(k={self.k},h={self.half_life_s:g}s)"
-
-    def clone(self) -> "FanoutPolicy":
-        return FanoutPolicy(self.k, self.half_life_s)
 
 
 class Evictor:
