@@ -121,7 +121,9 @@ class ModelRunner:
             context_lens = np.array([item.request.num_computed_tokens + 1 for item in decodes])
             max_context = int(context_lens.max())
             max_blocks = -(-max_context // self.block_size)
-            tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+            # int32 on CUDA, as the decode CUDA graphs' tables are: a Triton kernel compiles one
+            # variant per pointer dtype, and a second one would be built mid-serving.
+            tables = np.zeros((len(decodes), max_blocks), dtype=np.int32 if self.device.type == "cuda" else np.int64)
             for row, item in enumerate(decodes):
                 table = block_tables[item.request.request_id][:max_blocks]
                 tables[row, :len(table)] = table

@@ -8,6 +8,18 @@ import os
 import torch
 
 
+# Arguments of the split-KV decode kernels that change from step to step. Triton specializes an
+# int argument on being 1 or a multiple of 16 and compiles a new variant when that changes: the
+# split count (chosen per step from the batch) also sets the partial buffers' strides (e.g. the
+# lse row stride is num_heads * num_splits), so without these a batch size reached for the first
+# time mid-serving cost a ~0.5 s compile inside a step.
+SPLIT_DECODE_DYNAMIC_ARGS = ["num_splits", "block_table_stride_seq", "block_size", "write_final",
+                             "partial_stride_seq", "partial_stride_head", "partial_stride_split",
+                             "lse_stride_seq", "lse_stride_head"]
+SPLIT_COMBINE_DYNAMIC_ARGS = ["num_splits", "partial_stride_seq", "partial_stride_head", "partial_stride_split",
+                              "lse_stride_seq", "lse_stride_head"]
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton._common import cdiv, interpreting, next_power_of_2, num_sms
+from kvserve.kernels.triton._common import (SPLIT_COMBINE_DYNAMIC_ARGS, SPLIT_DECODE_DYNAMIC_ARGS, cdiv, interpreting,
+                                            next_power_of_2, num_sms)
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -143,6 +144,13 @@ def decode_workspace(batch: int, num_heads: int, head_dim: int, num_splits: int,
             torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device))
 
 
+def unused_partials(out: torch.Tensor) -> torch.Tensor:
+    """What a one-split launch passes for the partial buffers it never touches (write_final): an
+    fp32 view of `out`, so the pointer dtypes match a split launch's and both share one compiled
+    kernel (a one-split batch size reached mid-serving would otherwise compile a second variant)."""
+    return out.view(torch.float32)
+
+
 @triton.jit
 def _split_length(context_len, num_splits, TILE: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr):
     """Positions per split for one sequence; both kernels must agree on it."""
@@ -154,7 +162,7 @@ def _split_length(context_len, num_splits, TILE: tl.constexpr, MIN_SPLIT_TOKENS:
 # launch writes the output directly) are runtime arguments that Triton must not specialise on (it
 # would compile variants for 1 and for multiples of 16, stalling a step mid-serving). The cache
 # block size is one too: one compiled kernel serves every block size.
-@triton.jit(do_not_specialize=["num_splits", "block_table_stride_seq", "block_size", "write_final"])
+@triton.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
 def _decode_split_kernel(
         query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -244,7 +252,7 @@ def _decode_split_kernel(
                  running_max + tl.log2(safe_sum), mask=group_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=SPLIT_COMBINE_DYNAMIC_ARGS)
 def _decode_combine_kernel(
         partial_out_ptr, partial_lse_ptr, context_lens_ptr, out_ptr, num_splits,
         partial_stride_seq, partial_stride_head, partial_stride_split,
@@ -335,7 +343,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scale_log2 = float(scale) * LOG2_E
     if num_splits == 1:
         compiled = _decode_split_kernel[(batch, num_kv_heads, 1)](
-            query, k_cache, v_cache, block_tables, context_lens, out, out, out,
+            query, k_cache, v_cache, block_tables, context_lens, out, unused_partials(out), unused_partials(out),
             scale_log2, 1, block_size, 1,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

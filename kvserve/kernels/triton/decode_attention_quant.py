@@ -51,9 +51,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton._common import interpreting, next_power_of_2
+from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, interpreting, next_power_of_2
 from kvserve.kernels.triton.decode_attention import (LOG2_E, DecodeConfig, _decode_combine_kernel, _resident_programs,
-                                                     _split_length, choose_num_splits, decode_workspace,
+                                                     _split_length, choose_num_splits, decode_workspace, unused_partials,
                                                      default_decode_config)
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
@@ -358,7 +358,7 @@ def _store_segment(acc, safe_sum, seq, heads, group_mask, split, out_ptr, partia
                  + split * partial_stride_split + cols[None, :], result, mask=group_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", "block_table_stride_seq", "block_size", "write_final"])
+@triton.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
 def _decode_split_quant_kernel(
         query_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, k_static_ptr, v_static_ptr, k_ring_ptr, v_ring_ptr,
         seq_rows_ptr, block_tables_ptr, context_lens_ptr,
@@ -663,7 +663,7 @@ def _load_part(ptr, scales_ptr, static_ptr, ring_ptr, blocks, offsets, positions
     return values
 
 
-@triton.jit(do_not_specialize=["num_splits", "block_table_stride_seq", "block_size", "write_final"])
+@triton.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
 def _decode_split_quant_generic_kernel(
         query_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, k_static_ptr, v_static_ptr, k_ring_ptr, v_ring_ptr,
         seq_rows_ptr, block_tables_ptr, context_lens_ptr,
@@ -978,7 +978,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
                     SINKS=sinks, WINDOW=window, num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits == 1:
         compiled = kernel[(batch, num_kv_heads, 1)](
-            *common, out, out, out, *scalars, 1, block_size, 1,
+            *common, out, unused_partials(out), unused_partials(out), *scalars, 1, block_size, 1,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             *strides, 0, 0, 0, 0, 0, **meta)
         _note_occupancy(key, compiled, query.device)

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton._common import check_cache, interpreting, next_power_of_2
+from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, check_cache, interpreting, next_power_of_2
 from kvserve.kernels.triton.decode_attention import (LOG2_E, DecodeConfig, _decode_combine_kernel, _split_length,
-                                                     choose_num_splits)
+                                                     choose_num_splits, unused_partials)
 
 
 def default_mla_config(rank: int, dtype: torch.dtype) -> DecodeConfig:
@@ -78,7 +78,7 @@ def store_latent(latent: torch.Tensor, k_rope: torch.Tensor, latent_cache: torch
     store_rows(k_rope, rope_cache, slot_mapping)
 
 
-@triton.jit(do_not_specialize=["num_splits", "block_table_stride_seq", "block_size", "write_final"])
+@triton.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
 def _mla_split_kernel(
         q_latent_ptr, q_rope_ptr, latent_ptr, rope_ptr, block_tables_ptr, context_lens_ptr,
         out_ptr, partial_out_ptr, partial_lse_ptr,
@@ -199,7 +199,8 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_ca
     scale_log2 = float(scale) * LOG2_E
     if num_splits == 1:
         _mla_split_kernel[(batch, num_head_blocks, 1)](
-            q_latent, q_rope, latent_cache, rope_cache, block_tables, context_lens, out, out, out,
+            q_latent, q_rope, latent_cache, rope_cache, block_tables, context_lens, out, unused_partials(out),
+            unused_partials(out),
             scale_log2, 1, block_size, 1, *common, 0, 0, 0, 0, 0, **meta)
         return out
     partial_out = torch.empty(batch, num_heads, num_splits, rank, dtype=torch.float32, device=q_latent.device)
