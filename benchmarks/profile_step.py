@@ -25,10 +25,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--output-kind", default="cumulative", choices=("cumulative", "final_only"),
+                        help="final_only as `kvserve bench` (outputs only at the end), cumulative as the server")
+    parser.add_argument("--trace", default=None, help="also write the torch.profiler window as a Chrome trace here")
     add_engine_args(parser)
     args = parser.parse_args()
     engine = Engine.from_options(**engine_options_from_args(args))
-    params = SamplingParams(max_tokens=args.steps * 2 + 10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.steps * 2 + 20, temperature=0.0, ignore_eos=True,
+                            output_kind=args.output_kind)
     for prompt in random_prompts(args.batch_size, args.input_len, engine.model.config.vocab_size, 0):
         engine.add_request(None, {"prompt_token_ids": prompt}, params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
@@ -62,6 +66,8 @@ def main() -> None:
         sync()
     sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
 
 
 if __name__ == "__main__":

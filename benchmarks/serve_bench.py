@@ -88,6 +88,7 @@ class RatePoint:
     goodput_req_per_s: float
     goodput_fraction: float
     server_preemptions: Optional[float] = None
+    num_rejected_overloaded: int = 0     # HTTP 503 / in-stream "overloaded" (server --slo-shed)
     errors: list[str] = field(default_factory=list)
 
 
@@ -204,6 +205,7 @@ async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
         e2e_p50_s=_round(percentile([r.e2e for r in done], 50)), e2e_p99_s=_round(percentile([r.e2e for r in done], 99)),
         goodput_req_per_s=round(len(good) / duration, 3), goodput_fraction=round(len(good) / len(results), 3),
         server_preemptions=(preempt_after - preempt_before) if None not in (preempt_after, preempt_before) else None,
+        num_rejected_overloaded=sum(1 for r in results if r.error and "overloaded" in r.error),
         errors=sorted({r.error for r in results if r.error})[:5])
 
 

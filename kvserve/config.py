@@ -95,6 +95,13 @@ class SchedulerConfig:
                                          "scheduling and output handling overlap the GPU's work (steps that need "
                                          "penalties or logprobs run synchronously); auto: on for CUDA",
                                  choices=("auto", "on", "off"))
+    # Latency targets (kvserve/engine/slo.py; docs/slo_scheduling.md).
+    slo_ttft: Optional[float] = _opt(None, "target time to first token, seconds; with --slo-shed, requests that "
+                                           "cannot start in time are rejected (HTTP 503) instead of served late")
+    slo_tpot: Optional[float] = _opt(None, "target time per output token, seconds: admissions are limited so the "
+                                           "measured step time stays under it")
+    slo_shed: bool = _opt(False, "reject a request that cannot produce its first token within --slo-ttft: at "
+                                 "arrival when the queue ahead predicts it, or in the queue at its deadline")
 
 
 @dataclass
@@ -138,6 +145,12 @@ class EngineConfig:
             raise ValueError(f"prefix_sharing must be tenant or global, got {cache.prefix_sharing!r}")
         if not 0.0 <= cache.max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {cache.max_pinned_fraction}")
+        for name in ("slo_ttft", "slo_tpot"):
+            value = getattr(sched, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if sched.slo_shed and sched.slo_ttft is None:
+            raise ValueError("slo_shed needs slo_ttft (the deadline requests are shed against)")
         if sched.cache_aware_max_bypass < 0:
             raise ValueError(f"cache_aware_max_bypass must be >= 0, got {sched.cache_aware_max_bypass}")
         if model.max_model_len is not None and model.max_model_len < 2:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 
 from conftest import requires_default_model
+from loopback_server import LoopbackServer, build_tiny_chat_model
 
 pytestmark = [pytest.mark.slow, requires_default_model]
 
@@ -24,43 +22,16 @@ SYSTEM = ("You are the support assistant of a company that sells storage applian
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import torch
-    import transformers
-    import uvicorn
-
-    from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine import Engine
-    from kvserve.model.loader import resolve_model
-    from kvserve.server.app import build_app
-    from kvserve.server.config import ServerConfig
 
-    tokenizer = resolve_model(None).load_tokenizer()
-    folder = tmp_path_factory.mktemp("tiny-prefix")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = build_tiny_chat_model(tmp_path_factory.mktemp("tiny-prefix"), max_position_embeddings=2048)
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    engine = Engine.from_options(model=str(folder), max_model_len=1024, kv_cache_memory=8 << 20,
+    engine = Engine.from_options(model=folder, max_model_len=1024, kv_cache_memory=8 << 20,
                                  eviction_policy="adaptive")
-    app = build_app(AsyncEngine(engine), ServerConfig(api_keys_file=str(keys)), model_names=["tiny"])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="error"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()
+    server = LoopbackServer(engine, api_keys_file=str(keys))
+    yield server.url, engine
+    server.stop()
 
 
 def _metric(url: str, name: str, **labels: str) -> float:

@@ -30,7 +30,7 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self.kv_manager = SimpleNamespace(num_blocks=100, num_free_blocks=100, usage=0.0, capacity_tokens=1600)
         self.stats = SimpleNamespace(prompt_tokens_total=0, generation_tokens_total=0, requests_finished_total={})
-        self.scheduler = SimpleNamespace(num_preemptions_total=0)
+        self.scheduler = SimpleNamespace(num_preemptions_total=0, slo=None)
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())

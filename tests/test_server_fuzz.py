@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from conftest import requires_default_model
+from loopback_server import LoopbackServer, build_tiny_chat_model
 
 # Both need the default model's GGUF (its tokenizer and chat template at least).
 pytestmark = [pytest.mark.slow, requires_default_model]
@@ -30,60 +31,18 @@ FUZZ_SECONDS = float(os.environ.get("KVSERVE_FUZZ_SECONDS", "45"))
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    import torch
-    import transformers
-
-    from kvserve.model.loader import resolve_model
-    tokenizer = resolve_model(None).load_tokenizer()
-    folder = tmp_path_factory.mktemp("tiny-with-tokenizer")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-with-tokenizer"), max_position_embeddings=4096)
 
 
-class _Server:
-    """uvicorn in a thread on a free loopback port, around a fresh engine."""
-
-    def __init__(self, model: str, max_model_len: int, **server_options) -> None:
-        import uvicorn
-
-        from kvserve.engine.async_engine import AsyncEngine
-        from kvserve.engine.engine import Engine
-        from kvserve.server.app import build_app
-        from kvserve.server.config import ServerConfig
-
-        self.engine = Engine.from_options(model=model, max_model_len=max_model_len, kv_cache_memory=16 << 20)
-        config = ServerConfig(**server_options)
-        self.app = build_app(AsyncEngine(self.engine), config, model_names=["tiny"])
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="error",
-                                                     timeout_graceful_shutdown=config.shutdown_timeout))
-        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uvicorn.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self, timeout: float = 30) -> float:
-        started = time.monotonic()
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "server did not shut down"
-        self.sock.close()
-        return time.monotonic() - started
+def _serve_tiny(model: str, max_model_len: int, **server_options) -> LoopbackServer:
+    from kvserve.engine.engine import Engine
+    engine = Engine.from_options(model=model, max_model_len=max_model_len, kv_cache_memory=16 << 20)
+    return LoopbackServer(engine, **server_options)
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model):
-    server = _Server(tiny_model, max_model_len=96)
+    server = _serve_tiny(tiny_model, max_model_len=96)
     yield server
     server.stop()
 
@@ -131,7 +90,7 @@ def test_fuzz_api_finds_no_server_errors(fuzz_server):
 
 
 def test_graceful_shutdown_finishes_short_requests_and_errors_long_ones(tiny_model):
-    server = _Server(tiny_model, max_model_len=4096, shutdown_timeout=1.0)
+    server = _serve_tiny(tiny_model, max_model_len=4096, shutdown_timeout=1.0)
     results: dict[str, object] = {}
 
     def stream(name: str, max_tokens: int) -> None:

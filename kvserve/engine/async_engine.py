@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.slo import SLOController
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -55,6 +56,12 @@ class EngineSnapshot:
     num_steps_total: int = 0
     num_step_errors_total: int = 0
     requests_finished_total: dict[str, int] = field(default_factory=dict)
+    # Latency targets (None without --slo-ttft / --slo-tpot): the running limit they set, the smoothed
+    # step time it is held by, and requests shed at arrival / in the queue.
+    slo_max_running: Optional[int] = None
+    slo_step_time_s: Optional[float] = None
+    slo_rejected_at_arrival: int = 0
+    slo_rejected_in_queue: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -65,7 +72,7 @@ class EngineSnapshot:
 class FinishedRequest:
     """What a metrics hook learns about a request when it leaves the engine."""
     request_id: str
-    finish_reason: str                 # stop / length / abort / error
+    finish_reason: str                 # stop / length / abort / rejected / error
     arrival_time: float                # time.monotonic() when AsyncEngine.add_request was called
     first_scheduled_time: Optional[float]
     first_token_time: Optional[float]
@@ -397,6 +404,13 @@ class AsyncEngine:
                 generation_tokens_total=stats.generation_tokens_total,
                 num_preemptions_total=engine.scheduler.num_preemptions_total,
                 num_steps_total=self._num_steps, num_step_errors_total=self._num_step_errors,
-                requests_finished_total=dict(stats.requests_finished_total))
+                requests_finished_total=dict(stats.requests_finished_total), **_slo_fields(engine.scheduler.slo))
         except Exception:
             logger.exception("could not read engine state for the metrics snapshot")
+
+
+def _slo_fields(slo: Optional[SLOController]) -> dict[str, Any]:
+    if slo is None:
+        return {}
+    return {"slo_max_running": slo.max_running, "slo_step_time_s": slo.step_time_s,
+            "slo_rejected_at_arrival": slo.num_rejected_at_arrival, "slo_rejected_in_queue": slo.num_rejected_in_queue}

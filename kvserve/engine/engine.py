@@ -231,6 +231,7 @@ class Engine:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
+        self.scheduler.check_overload(len(prompt_ids), params.n)
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
         if cache_opts.pin_ttl is not None:
             try:
@@ -282,11 +283,15 @@ class Engine:
         tokens into outputs and schedules the next step while the GPU computes. The outputs a step
         returns can therefore be the previous step's."""
         outputs: list[RequestOutput] = []
+        started = time.monotonic()
+        sched_out: Optional[SchedulerOutput] = None
         try:
             if self._inflight is not None and self._may_preempt():
                 # Preemption recomputes from the token list, which must hold no pending token.
                 outputs += self._finish_inflight()
             sched_out = self.scheduler.schedule()
+            if sched_out.rejected:
+                outputs += self._reject(sched_out.rejected)
             if sched_out.is_empty:
                 if self._inflight is not None:
                     outputs += self._finish_inflight()
@@ -312,6 +317,22 @@ class Engine:
             return outputs + self._run_step(sched_out)
         finally:
             self.prefix.publish()
+            if self.scheduler.slo is not None and sched_out is not None and sched_out.scheduled:
+                self.scheduler.slo.observe_step(time.monotonic() - started, len(sched_out.scheduled))
+
+    def _reject(self, requests: list[Request]) -> list[RequestOutput]:
+        """Outputs for requests the scheduler shed; a group's other samples go with them."""
+        outputs = []
+        for request in requests:
+            group = self._child_to_group.get(request.request_id)
+            if group is None or self._groups.pop(group.request_id, None) is None:
+                continue    # an earlier sample of its group took the group with it
+            for child in group.children:
+                self.scheduler.finish(child, RequestStatus.FINISHED_REJECTED)
+                self._child_to_group.pop(child.request_id, None)
+            self._count_finished(RequestStatus.FINISHED_REJECTED.value, len(group.children))
+            outputs.append(self._make_output(group))
+        return outputs
 
     def _may_preempt(self) -> bool:
         """Whether this step's scheduling could run out of blocks: each running request may need

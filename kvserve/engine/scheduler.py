@@ -12,6 +12,10 @@ Admission counts those blocks as already there. With `cache_aware_scheduling`, w
 with longer cached prefixes go first (they cost less to admit and their blocks may be evicted
 if they wait); a request overtaken `cache_aware_max_bypass` times goes strictly first, so nobody
 starves. Preempted requests always go first.
+
+Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/engine/slo.py): the number of running
+requests is limited so the step time stays under the TPOT target, and with shedding a request that
+cannot start in time is rejected at arrival or at its deadline in the queue.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
+from kvserve.engine.slo import RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
@@ -49,6 +54,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)     # shed in the queue (missed TTFT deadline)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,6 +77,8 @@ class Scheduler:
         # Admit new work only while this many blocks stay free, so a fresh admission does not
         # immediately force a running request out.
         self._admission_watermark_blocks = max(1, kv_manager.num_blocks // 100)
+        targets = SLOTargets(config.slo_ttft, config.slo_tpot, config.slo_shed)
+        self.slo: Optional[SLOController] = SLOController(targets, config.max_num_seqs) if targets.enabled else None
 
     # --- admission ----------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -84,6 +92,25 @@ class Scheduler:
         if needed > self.kv_manager.num_blocks:
             raise RequestRejected(
                 f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
+
+    def check_overload(self, num_prompt_tokens: int, num_requests: int = 1) -> None:
+        """With TTFT shedding: raises RequestOverloaded if these requests would queue too long."""
+        if self.slo is None:
+            return
+        # Requests that get a running slot only once others finish (this one's samples included):
+        # with room for everyone queued, it is admitted at the next step whatever the queue holds.
+        num_over = len(self.running) + len(self.waiting) + num_requests - self._max_running
+        if num_over <= 0:
+            return
+        reason = self.slo.reject_at_arrival(num_over - 1, num_prompt_tokens, self.config.max_num_batched_tokens)
+        if reason is not None:
+            raise RequestOverloaded(reason)
+
+    @property
+    def _max_running(self) -> int:
+        if self.slo is None:
+            return self.config.max_num_seqs
+        return self.slo.max_running
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)
@@ -123,11 +150,25 @@ class Scheduler:
                 continue
             break
 
+        if self.slo is not None and self.slo.targets.shed:
+            self._shed_late(out)
         # New work only when nothing was preempted this step: otherwise it would take the blocks
         # the preempted requests need to come back.
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _shed_late(self, out: SchedulerOutput) -> None:
+        """Rejects waiting requests that, scheduled now, would miss their TTFT deadline. Requests
+        that already ran (preempted ones) keep their place: their first token is out or due."""
+        now = time.monotonic()
+        budget = self.config.max_num_batched_tokens
+        late = [request for request in self.waiting
+                if request.first_scheduled_time is None
+                and self.slo.missed_deadline(request.arrival_time, request.num_prompt_tokens, budget, now)]
+        for request in late:
+            self.finish(request, RequestStatus.FINISHED_REJECTED)
+            out.rejected.append(request)
 
     def _lookup(self, request: Request) -> Optional[PrefixHit]:
         if not self.kv_manager.enable_prefix_caching or not request.uses_prefix_cache:
@@ -162,7 +203,7 @@ class Scheduler:
         candidates = self._waiting_order()
         admitted: set[str] = set()
         for request in candidates:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self._max_running:
                 break
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             hit = self._lookup(request)
@@ -252,6 +293,8 @@ class Scheduler:
             return
         request.status = status
         request.finished_time = time.monotonic()
+        if self.slo is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.slo.observe_completion()
         if request in self.running:
             self.running.remove(request)
         else:

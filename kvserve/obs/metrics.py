@@ -68,6 +68,12 @@ METRIC_NAMES = (
     f"{NAMESPACE}:prefix_cache_pinned_blocks",
     f"{NAMESPACE}:prefix_cache_policy_info",
 )
+# Present only with latency targets (--slo-ttft / --slo-tpot; docs/slo_scheduling.md).
+SLO_METRIC_NAMES = (
+    f"{NAMESPACE}:slo_max_running_requests",
+    f"{NAMESPACE}:slo_step_time_seconds",
+    f"{NAMESPACE}:requests_shed_total",
+)
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
     f"{NAMESPACE}:moe_expert_tokens_total",
@@ -109,6 +115,16 @@ class _EngineStateCollector:
         yield counter("engine_steps", "Engine steps run.", snap.num_steps_total)
         yield counter("engine_step_errors", "Engine steps that raised (their requests got an error).",
                       snap.num_step_errors_total)
+        if snap.slo_max_running is not None:
+            yield gauge("slo_max_running_requests", "Running requests allowed under the TPOT target.",
+                        snap.slo_max_running)
+            yield gauge("slo_step_time_seconds", "Smoothed engine step time the running limit is held by.",
+                        snap.slo_step_time_s or 0.0)
+            shed = CounterMetricFamily(f"{NAMESPACE}:requests_shed", "Requests rejected (HTTP 503) because they "
+                                       "could not start within the TTFT target, by where.", labels=labels + ["where"])
+            shed.add_metric(values + ["arrival"], snap.slo_rejected_at_arrival)
+            shed.add_metric(values + ["queue"], snap.slo_rejected_in_queue)
+            yield shed
 
 
 class _PrefixCacheCollector:
@@ -221,7 +237,7 @@ class ServerMetrics:
         self._http_errors = Counter(f"{NAMESPACE}:http_request_errors",
                                     "Requests answered with an error object, by status code.",
                                     labels + ["status_code"], registry=self.registry)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in ("stop", "length", "abort", "rejected", "error"):
             self._success.labels(model_name, reason)
 
     def observe_finished(self, info: FinishedRequest) -> None:

@@ -31,6 +31,7 @@ from fastapi import Request
 from kvserve.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.slo import RequestOverloaded
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, error_body, from_value_error
 from kvserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
@@ -101,11 +102,18 @@ class OpenAIServing:
         self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.model.config.vocab_size)
         self.max_num_seqs = int(engine.config.scheduler_config.max_num_seqs)
+        self.slo_ttft = engine.config.scheduler_config.slo_ttft
         self.created = int(time.time())
         # One worker: tokenizers are used by one HTTP-side thread at a time; long prompts and
         # chat templates never stall the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
         self._token_text_cache: dict[int, str] = {}
+
+    def _check_not_rejected(self, output: RequestOutput) -> None:
+        """Raises RequestOverloaded for a request the scheduler shed (it missed its TTFT deadline)."""
+        if output.finished and any(sample.finish_reason == "rejected" for sample in output.outputs):
+            raise RequestOverloaded(f"server overloaded: the request could not start within the {self.slo_ttft:g} s "
+                                    f"TTFT target; retry later")
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -299,6 +307,9 @@ class OpenAIServing:
         except EngineShutdownError as exc:
             stream.abort()
             raise APIError(503, str(exc), code="server_shutting_down") from None
+        except RequestOverloaded as exc:
+            stream.abort()
+            raise APIError(503, str(exc), code="overloaded") from None
         except ValueError as exc:   # RequestRejected and friends: the prompt can never run
             stream.abort()
             raise from_value_error(exc, "prompt") from None
@@ -313,6 +324,7 @@ class OpenAIServing:
 
         async def consume() -> None:
             async for output in stream:
+                self._check_not_rejected(output)
                 if output.finished:
                     finals[output.request_id] = output
 
@@ -327,6 +339,8 @@ class OpenAIServing:
         except (EngineStepError, EngineShutdownError) as exc:
             status = 503 if isinstance(exc, EngineShutdownError) else 500
             raise APIError(status, str(exc), type="server_error") from None
+        except RequestOverloaded as exc:
+            raise APIError(503, str(exc), code="overloaded") from None
         finally:
             watcher.cancel()
             if not consumer.done():
@@ -414,6 +428,7 @@ class OpenAIServing:
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         try:
             async for output in stream:
+                self._check_not_rejected(output)
                 usage.update(output)
                 prompt_index = index_of[output.request_id]
                 prompt = prompts[prompt_index]
@@ -458,6 +473,9 @@ class OpenAIServing:
             yield _SSE_DONE
         except (EngineStepError, EngineShutdownError) as exc:
             yield _sse(error_body(str(exc), "server_error", None, None))
+            yield _SSE_DONE
+        except RequestOverloaded as exc:   # shed in the queue after the stream had begun
+            yield _sse(APIError(503, str(exc), code="overloaded").body())
             yield _SSE_DONE
         finally:
             if not stream.finished:
@@ -529,6 +547,7 @@ class OpenAIServing:
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None} for i in range(params.n)]})
             async for output in stream:
+                self._check_not_rejected(output)
                 usage.update(output)
                 choices = []
                 for sample in output.outputs:
@@ -557,6 +576,9 @@ class OpenAIServing:
             yield _SSE_DONE
         except (EngineStepError, EngineShutdownError) as exc:
             yield _sse(error_body(str(exc), "server_error", None, None))
+            yield _SSE_DONE
+        except RequestOverloaded as exc:   # shed in the queue after the stream had begun
+            yield _sse(APIError(503, str(exc), code="overloaded").body())
             yield _SSE_DONE
         finally:
             if not stream.finished:

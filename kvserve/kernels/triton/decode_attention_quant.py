@@ -52,9 +52,10 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, interpreting, next_power_of_2
-from kvserve.kernels.triton.decode_attention import (LOG2_E, DecodeConfig, _decode_combine_kernel, _resident_programs,
-                                                     _split_length, choose_num_splits, decode_workspace, unused_partials,
-                                                     default_decode_config)
+from kvserve.kernels.triton.decode_attention import (COMBINE_SPLIT_CHUNK, LOG2_E, DecodeConfig,
+                                                     _decode_combine_kernel, _resident_programs, _split_length,
+                                                     choose_num_splits, decode_workspace, default_decode_config,
+                                                     unused_partials)
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
 # 4 int8 codes (one register) -> 4 exact fp16 values (two registers): code ^ 0x80 = code + 128 in
@@ -1000,7 +1001,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, TILE=config.tile,
-        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=64 if head_dim <= 128 else 32,
+        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
         num_warps=4)
     return out
 

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, check_cache, interpreting, next_power_of_2
-from kvserve.kernels.triton.decode_attention import (LOG2_E, DecodeConfig, _decode_combine_kernel, _split_length,
-                                                     choose_num_splits, unused_partials)
+from kvserve.kernels.triton.decode_attention import (COMBINE_SPLIT_CHUNK, LOG2_E, DecodeConfig,
+                                                     _decode_combine_kernel, _split_length, choose_num_splits,
+                                                     unused_partials)
 
 
 def default_mla_config(rank: int, dtype: torch.dtype) -> DecodeConfig:
@@ -215,5 +216,5 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_ca
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=rank, DIM_PAD=rank_pad, TILE=config.tile, MIN_SPLIT_TOKENS=config.min_split_tokens,
-        SPLIT_CHUNK=16, num_warps=4)
+        SPLIT_CHUNK=COMBINE_SPLIT_CHUNK, num_warps=4)
     return out
