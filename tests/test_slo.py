@@ -119,6 +119,29 @@ def test_in_queue_deadline():
     assert slo.num_rejected_in_queue == 1
 
 
+def test_slo_outcomes_of_finished_requests():
+    from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+    from kvserve.obs.metrics import ServerMetrics
+
+    metrics = ServerMetrics(lambda: EngineSnapshot(), "m", slo=SLOTargets(ttft_s=1.0, tpot_s=0.1))
+
+    def finish(ttft: float, tokens: int, e2e: float) -> None:
+        metrics.observe_finished(FinishedRequest(
+            request_id="r", finish_reason="stop", arrival_time=10.0, first_scheduled_time=10.0,
+            first_token_time=10.0 + ttft, finished_time=10.0 + e2e, num_prompt_tokens=5,
+            num_generation_tokens=tokens, max_sample_tokens=tokens, tenant=None, priority=0))
+
+    finish(0.5, 11, 1.4)       # TPOT 0.09
+    finish(1.5, 11, 2.4)       # late first token
+    finish(0.5, 11, 2.0)       # TPOT 0.15
+    finish(2.0, 3, 3.0)        # both
+    finish(0.2, 1, 0.2)        # one token: no TPOT to miss
+    text = metrics.render().decode()
+    for outcome, count in (("met", 2), ("missed_ttft", 1), ("missed_tpot", 1), ("missed_both", 1)):
+        assert f'kvserve:requests_slo_total{{model_name="m",outcome="{outcome}"}} {count:.1f}' in text
+    assert "requests_slo_total" not in ServerMetrics(lambda: EngineSnapshot(), "m").render().decode()
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="slo_shed needs slo_ttft"):
         EngineConfig.from_options(slo_shed=True)
@@ -290,6 +313,10 @@ def test_server_answers_shed_requests_with_503_and_keeps_serving(tmp_path):
             time.sleep(0.01)
         response = httpx.post(url, json=short, timeout=30)                    # an idle server admits at once
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        # Only finished requests are judged: shed and aborted ones are not; this one was in time.
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'kvserve:requests_slo_total{model_name="tiny",outcome="met"} 1.0' in metrics
+        assert 'kvserve:requests_slo_total{model_name="tiny",outcome="missed_ttft"} 0.0' in metrics
         assert server.snapshot.num_free_blocks == server.snapshot.num_blocks
     finally:
         server.stop()

@@ -24,6 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
 
 if TYPE_CHECKING:
+    from kvserve.engine.slo import SLOTargets
     from kvserve.kvcache.prefix_cache import PrefixCacheStats
     from kvserve.model.moe import ExpertLoadStats
 
@@ -73,7 +74,10 @@ SLO_METRIC_NAMES = (
     f"{NAMESPACE}:slo_max_running_requests",
     f"{NAMESPACE}:slo_step_time_seconds",
     f"{NAMESPACE}:requests_shed_total",
+    f"{NAMESPACE}:requests_slo_total",
 )
+# Outcomes of requests_slo_total: a finished request met every set target, or missed these.
+SLO_OUTCOMES = ("met", "missed_ttft", "missed_tpot", "missed_both")
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
     f"{NAMESPACE}:moe_expert_tokens_total",
@@ -204,8 +208,10 @@ class _ExpertLoadCollector:
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
                  prefix_stats: Optional[Callable[[], Optional["PrefixCacheStats"]]] = None,
-                 expert_load: Optional[Callable[[], Optional["ExpertLoadStats"]]] = None) -> None:
+                 expert_load: Optional[Callable[[], Optional["ExpertLoadStats"]]] = None,
+                 slo: Optional["SLOTargets"] = None) -> None:
         self.model_name = model_name
+        self.slo = slo if slo is not None and slo.enabled else None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStateCollector(snapshot, model_name))
         if prefix_stats is not None:
@@ -239,6 +245,15 @@ class ServerMetrics:
                                     labels + ["status_code"], registry=self.registry)
         for reason in ("stop", "length", "abort", "rejected", "error"):
             self._success.labels(model_name, reason)
+        self._slo_outcomes = None
+        if self.slo is not None:
+            # Server-side goodput: the rate of outcome="met" is requests served within every target.
+            self._slo_outcomes = Counter(f"{NAMESPACE}:requests_slo",
+                                         "Finished requests (stop or length) by whether they met the latency "
+                                         "targets (--slo-ttft, --slo-tpot).", labels + ["outcome"],
+                                         registry=self.registry)
+            for outcome in SLO_OUTCOMES:
+                self._slo_outcomes.labels(model_name, outcome)
 
     def observe_finished(self, info: FinishedRequest) -> None:
         self._success.labels(self.model_name, info.finish_reason).inc()
@@ -254,6 +269,19 @@ class ServerMetrics:
                                   / (info.max_sample_tokens - 1))
         self.prompt_tokens.observe(info.num_prompt_tokens)
         self.generation_tokens.observe(info.num_generation_tokens)
+        if self._slo_outcomes is not None:
+            self._slo_outcomes.labels(self.model_name, self._slo_outcome(info)).inc()
+
+    def _slo_outcome(self, info: FinishedRequest) -> str:
+        """TTFT from arrival; TPOT as the histogram's (one token: no TPOT to miss)."""
+        targets = self.slo
+        first = info.first_token_time if info.first_token_time is not None else info.finished_time
+        ttft_missed = targets.ttft_s is not None and first - info.arrival_time > targets.ttft_s
+        tpot_missed = (targets.tpot_s is not None and info.max_sample_tokens > 1
+                       and (info.finished_time - first) / (info.max_sample_tokens - 1) > targets.tpot_s)
+        if ttft_missed and tpot_missed:
+            return "missed_both"
+        return "missed_ttft" if ttft_missed else "missed_tpot" if tpot_missed else "met"
 
     def count_error(self, status_code: int) -> None:
         self._http_errors.labels(self.model_name, str(status_code)).inc()

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.slo import SLOTargets
 from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.config import ServerConfig, server_config_from_args
 from kvserve.server.errors import APIError, format_validation_errors, install_error_handlers
@@ -130,7 +131,7 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
     # Prefix-cache stats: an immutable object the engine republishes after every step.
     metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0],
                             prefix_stats=lambda: getattr(getattr(engine, "prefix", None), "stats", None),
-                            expert_load=getattr(engine, "expert_load", None))
+                            expert_load=getattr(engine, "expert_load", None), slo=_slo_targets(engine))
     async_engine.on_request_finished = metrics.observe_finished
     serving = OpenAIServing(async_engine, config, model_names)
 
@@ -266,3 +267,10 @@ def run_server(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, access_log=config.access_log,
                 timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=30)
     return 0
+
+
+def _slo_targets(engine: Any) -> Optional[SLOTargets]:
+    sched = getattr(getattr(engine, "config", None), "scheduler_config", None)
+    if sched is None:
+        return None
+    return SLOTargets(sched.slo_ttft, sched.slo_tpot, sched.slo_shed)
