@@ -96,12 +96,14 @@ class SchedulerConfig:
                                          "penalties or logprobs run synchronously); auto: on for CUDA",
                                  choices=("auto", "on", "off"))
     # Latency targets (kvserve/engine/slo.py; docs/slo_scheduling.md).
-    slo_ttft: Optional[float] = _opt(None, "target time to first token, seconds; with --slo-shed, requests that "
-                                           "cannot start in time are rejected (HTTP 503) instead of served late")
+    slo_ttft: Optional[float] = _opt(None, "target time to first token, seconds (judged in "
+                                           "kvserve:requests_slo_total); with --slo-shed, requests that cannot "
+                                           "start in time are rejected (HTTP 503) instead of served late")
     slo_tpot: Optional[float] = _opt(None, "target time per output token, seconds: admissions are limited so the "
                                            "measured step time stays under it")
     slo_shed: bool = _opt(False, "reject a request that cannot produce its first token within --slo-ttft: at "
-                                 "arrival when the queue ahead predicts it, or in the queue at its deadline")
+                                 "arrival when the recent completion rate predicts it, or in the queue at its "
+                                 "deadline")
 
 
 @dataclass
