@@ -284,8 +284,8 @@ class OpenAIServing:
         stream = await self._submit(request_id, [p.token_ids for p in prompts], params, req, tenant)
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         if req.stream:
-            return SSEStream(self._stream_completion(request_id, model, req, params, prompts, sub_ids, stream),
-                             stream)
+            chunks = self._stream_completion(request_id, model, req, params, prompts, sub_ids, stream)
+            return SSEStream(_guarded(chunks, stream), stream)
         finals = await self._collect(stream, raw)
         return self._completion_response(request_id, model, req, params, prompts, sub_ids, finals)
 
@@ -426,60 +426,50 @@ class OpenAIServing:
         holdback = _stop_holdback(params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        try:
-            async for output in stream:
-                self._check_not_rejected(output)
-                usage.update(output)
-                prompt_index = index_of[output.request_id]
-                prompt = prompts[prompt_index]
-                choices = []
-                for sample in output.outputs:
-                    state = states.setdefault((output.request_id, sample.index), _ChoiceState())
-                    if state.finished:
-                        continue
-                    text, logprobs = "", None
-                    if not state.started:
-                        state.started = True
+        async for output in stream:
+            self._check_not_rejected(output)
+            usage.update(output)
+            prompt_index = index_of[output.request_id]
+            prompt = prompts[prompt_index]
+            choices = []
+            for sample in output.outputs:
+                state = states.setdefault((output.request_id, sample.index), _ChoiceState())
+                if state.finished:
+                    continue
+                text, logprobs = "", None
+                if not state.started:
+                    state.started = True
+                    if req.echo:
+                        text = self._prompt_text(prompt)
+                    if req.logprobs is not None:
+                        state.text_offset = 0 if req.echo else len(self._prompt_text(prompt))
                         if req.echo:
-                            text = self._prompt_text(prompt)
-                        if req.logprobs is not None:
-                            state.text_offset = 0 if req.echo else len(self._prompt_text(prompt))
-                            if req.echo:
-                                logprobs = _empty_completion_logprobs()
-                                state.text_offset = self._add_prompt_logprobs(logprobs, output, req.logprobs, 0)
-                    new_text = _text_delta(sample, state, holdback, output.finished)
-                    text += new_text
-                    if req.logprobs is not None and len(sample.token_ids) > state.tokens_sent:
-                        logprobs = logprobs or _empty_completion_logprobs()
-                        state.text_offset = self._add_sample_logprobs(logprobs, sample, state.tokens_sent,
-                                                                      req.logprobs, state.text_offset)
-                    state.tokens_sent = len(sample.token_ids)
-                    finish_reason = _finish_reason(sample) if sample.finish_reason else None
-                    state.finished = finish_reason is not None
-                    if not text and logprobs is None and finish_reason is None:
-                        continue
-                    choices.append({"index": prompt_index * params.n + sample.index, "text": text,
-                                    "logprobs": logprobs, "finish_reason": finish_reason,
-                                    "stop_reason": sample.stop_reason if finish_reason else None})
-                if choices:
-                    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices}
-                    if continuous:
-                        chunk["usage"] = usage.as_dict()
-                    yield _sse(chunk)
-            if include_usage:
-                yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage.as_dict()})
-            yield _SSE_DONE
-        except (EngineStepError, EngineShutdownError) as exc:
-            yield _sse(error_body(str(exc), "server_error", None, None))
-            yield _SSE_DONE
-        except RequestOverloaded as exc:   # shed in the queue after the stream had begun
-            yield _sse(APIError(503, str(exc), code="overloaded").body())
-            yield _SSE_DONE
-        finally:
-            if not stream.finished:
-                stream.abort()
+                            logprobs = _empty_completion_logprobs()
+                            state.text_offset = self._add_prompt_logprobs(logprobs, output, req.logprobs, 0)
+                new_text = _text_delta(sample, state, holdback, output.finished)
+                text += new_text
+                if req.logprobs is not None and len(sample.token_ids) > state.tokens_sent:
+                    logprobs = logprobs or _empty_completion_logprobs()
+                    state.text_offset = self._add_sample_logprobs(logprobs, sample, state.tokens_sent,
+                                                                  req.logprobs, state.text_offset)
+                state.tokens_sent = len(sample.token_ids)
+                finish_reason = _finish_reason(sample) if sample.finish_reason else None
+                state.finished = finish_reason is not None
+                if not text and logprobs is None and finish_reason is None:
+                    continue
+                choices.append({"index": prompt_index * params.n + sample.index, "text": text,
+                                "logprobs": logprobs, "finish_reason": finish_reason,
+                                "stop_reason": sample.stop_reason if finish_reason else None})
+            if choices:
+                chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                         "choices": choices}
+                if continuous:
+                    chunk["usage"] = usage.as_dict()
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": usage.as_dict()})
+        yield _SSE_DONE
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request, tenant: Optional[str]) -> Any:
@@ -505,7 +495,8 @@ class OpenAIServing:
         stream = await self._submit(request_id, [prompt_ids], params, req, tenant)
         sub_id = f"{request_id}-0"
         if req.stream:
-            return SSEStream(self._stream_chat(request_id, model, req, params, sub_id, stream), stream)
+            chunks = self._stream_chat(request_id, model, req, params, sub_id, stream)
+            return SSEStream(_guarded(chunks, stream), stream)
         finals = await self._collect(stream, raw)
         output = finals[sub_id]
         choices = []
@@ -542,47 +533,37 @@ class OpenAIServing:
         holdback = _stop_holdback(params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        try:
-            # The role comes first, before any token exists (what OpenAI's stream does).
-            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None} for i in range(params.n)]})
-            async for output in stream:
-                self._check_not_rejected(output)
-                usage.update(output)
-                choices = []
-                for sample in output.outputs:
-                    state = states[sample.index]
-                    if state.finished:
-                        continue
-                    text = _text_delta(sample, state, holdback, output.finished)
-                    logprobs = None
-                    if req.logprobs and len(sample.token_ids) > state.tokens_sent:
-                        logprobs = {"content": self._chat_logprobs(sample, state.tokens_sent, req.top_logprobs or 0)}
-                    state.tokens_sent = len(sample.token_ids)
-                    finish_reason = _finish_reason(sample) if sample.finish_reason else None
-                    state.finished = finish_reason is not None
-                    if not text and logprobs is None and finish_reason is None:
-                        continue
-                    choices.append({"index": sample.index, "delta": {"content": text} if text else {},
-                                    "logprobs": logprobs, "finish_reason": finish_reason,
-                                    "stop_reason": sample.stop_reason if finish_reason else None})
-                if choices:
-                    chunk = {**base, "choices": choices}
-                    if continuous:
-                        chunk["usage"] = usage.as_dict()
-                    yield _sse(chunk)
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage.as_dict()})
-            yield _SSE_DONE
-        except (EngineStepError, EngineShutdownError) as exc:
-            yield _sse(error_body(str(exc), "server_error", None, None))
-            yield _SSE_DONE
-        except RequestOverloaded as exc:   # shed in the queue after the stream had begun
-            yield _sse(APIError(503, str(exc), code="overloaded").body())
-            yield _SSE_DONE
-        finally:
-            if not stream.finished:
-                stream.abort()
+        # The role comes first, before any token exists (what OpenAI's stream does).
+        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None} for i in range(params.n)]})
+        async for output in stream:
+            self._check_not_rejected(output)
+            usage.update(output)
+            choices = []
+            for sample in output.outputs:
+                state = states[sample.index]
+                if state.finished:
+                    continue
+                text = _text_delta(sample, state, holdback, output.finished)
+                logprobs = None
+                if req.logprobs and len(sample.token_ids) > state.tokens_sent:
+                    logprobs = {"content": self._chat_logprobs(sample, state.tokens_sent, req.top_logprobs or 0)}
+                state.tokens_sent = len(sample.token_ids)
+                finish_reason = _finish_reason(sample) if sample.finish_reason else None
+                state.finished = finish_reason is not None
+                if not text and logprobs is None and finish_reason is None:
+                    continue
+                choices.append({"index": sample.index, "delta": {"content": text} if text else {},
+                                "logprobs": logprobs, "finish_reason": finish_reason,
+                                "stop_reason": sample.stop_reason if finish_reason else None})
+            if choices:
+                chunk = {**base, "choices": choices}
+                if continuous:
+                    chunk["usage"] = usage.as_dict()
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage.as_dict()})
+        yield _SSE_DONE
 
     # --- /v1/tokenize, /v1/detokenize ----------------------------------------------------------------
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -661,6 +642,24 @@ def _message_text(message: ChatMessage) -> str:
 
 def _empty_completion_logprobs() -> dict[str, list]:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+async def _guarded(chunks: AsyncIterator[str], stream: RequestStream) -> AsyncIterator[str]:
+    """A stream's SSE chunks; an engine failure or a shed request after the stream had begun (its
+    200 status is sent) becomes an error event and [DONE], and the engine request is aborted
+    however the stream ends."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (EngineStepError, EngineShutdownError) as exc:
+        yield _sse(error_body(str(exc), "server_error", None, None))
+        yield _SSE_DONE
+    except RequestOverloaded as exc:
+        yield _sse(APIError(503, str(exc), code="overloaded").body())
+        yield _SSE_DONE
+    finally:
+        if not stream.finished:
+            stream.abort()
 
 
 def _finish_reason(sample: CompletionOutput) -> Optional[str]:
