@@ -26,7 +26,7 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 # The step time is held under this fraction of the TPOT target: the host's per-token work
 # (detokenizing, streaming) adds to the time a client sees between tokens.
@@ -61,7 +61,8 @@ class SLOTargets:
 class SLOController:
     """Step-time smoothing, the running-request limit and the service-rate estimate."""
 
-    def __init__(self, targets: SLOTargets, max_num_seqs: int, clock=time.monotonic) -> None:
+    def __init__(self, targets: SLOTargets, max_num_seqs: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.targets = targets
         self.max_num_seqs = max_num_seqs
         self.clock = clock
