@@ -169,6 +169,7 @@ class Scheduler:
         for request in late:
             self.finish(request, RequestStatus.FINISHED_REJECTED)
             out.rejected.append(request)
+        self.slo.num_rejected_in_queue += len(late)
 
     def _lookup(self, request: Request) -> Optional[PrefixHit]:
         if not self.kv_manager.enable_prefix_caching or not request.uses_prefix_cache:

@@ -151,7 +151,4 @@ class SLOController:
         if not self.targets.shed or self.targets.ttft_s is None:
             return False
         expected = now - arrival_time + self.time_to_first_token_s(num_prompt_tokens, token_budget)
-        late = expected > self.targets.ttft_s * TTFT_MARGIN
-        if late:
-            self.num_rejected_in_queue += 1
-        return late
+        return expected > self.targets.ttft_s * TTFT_MARGIN
