@@ -270,7 +270,6 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def _slo_targets(engine: Any) -> Optional[SLOTargets]:
-    sched = getattr(getattr(engine, "config", None), "scheduler_config", None)
-    if sched is None:
-        return None
-    return SLOTargets(sched.slo_ttft, sched.slo_tpot, sched.slo_shed)
+    """The targets the scheduler keeps (None without any): metrics judge requests by the same ones."""
+    slo = getattr(getattr(engine, "scheduler", None), "slo", None)
+    return slo.targets if slo is not None else None
