@@ -237,12 +237,27 @@ void kvs_linear(const float *x, int64_t M, int64_t K, const void *w, int32_t bf1
  * Vector helpers
  * ------------------------------------------------------------------------------------------------ */
 #ifdef KVS_AVX2
-static inline __m256 load8(const void *base, int bf16, int64_t index) {
-    if (bf16) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-    }
-    return _mm256_loadu_ps((const float *)base + index);
+/* 16 bf16 values widened by two unpacks (one instruction per 8 values; a zero-extend and a shift cost two):
+ * lo holds elements 0-3 and 8-11, hi 4-7 and 12-15 (the unpacks work within 128-bit lanes). Dot
+ * products do not care if the other operand is permuted alike (permute_like_split); sums of
+ * rows come out permuted and are put back in order by unsplit. */
+static inline void load16_split(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p), zero = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+}
+
+/* dst[0:16] = src[0:16] in load16_split's order. */
+static inline void permute_like_split(const float *src, float *dst) {
+    const __m256 a = _mm256_loadu_ps(src), b = _mm256_loadu_ps(src + 8);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* Inverse of the split order: (lo, hi) -> elements 0-7 and 8-15. */
+static inline void unsplit(__m256 lo, __m256 hi, __m256 *first, __m256 *second) {
+    *first = _mm256_permute2f128_ps(lo, hi, 0x20);
+    *second = _mm256_permute2f128_ps(lo, hi, 0x31);
 }
 
 static inline float hsum8(__m256 v) {
@@ -279,9 +294,10 @@ static inline float load1(const void *base, int bf16, int64_t index) {
  * Paged attention for one query token over KV heads [h0, h1): every K row of its context is read
  * once, in order (a block's rows are contiguous across heads), for all the query heads of those KV
  * heads, prefetched a few rows ahead, so over a long batch of contexts the scores are a DRAM stream.
- * P @ V streams the V rows the same way for a decode; for a prefill chunk's tokens, whose context is
- * in cache, it accumulates in registers instead (pv_registers). K and V vectors are loaded once for
- * a KV head's whole query-head group (GQA).
+ * P @ V goes over the V rows in chunks of PV_CHUNK keys with its accumulators in registers
+ * (pv_registers); for a decode those rows were prefetched into L2 during the score pass. K and V
+ * vectors are loaded once for a KV head's whole query-head group (GQA); bf16 ones are widened by
+ * two unpacks per 16 values (load16_split), the query permuted to match.
  * ------------------------------------------------------------------------------------------------ */
 
 /* Floats of attention scratch one thread needs for contexts up to max_context. */
@@ -298,18 +314,30 @@ static inline void prefetch_span(const char *start, size_t bytes) {
     for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at);
 }
 
+static inline void prefetch_span_l2(const char *start, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(start + at, 0, 2);
+}
+
 /* Scores of up to QK_HEADS query heads (one KV head's group) against four keys: each K vector is
  * loaded (and widened from bf16) once for all the heads, 4 x GS accumulators stay in registers, and
- * one horizontal-add tree per head reduces its four dot products. */
+ * one horizontal-add tree per head reduces its four dot products. BF16: D % 16 == 0 and q in
+ * load16_split's order (16 channels a step); fp32: D % 8 == 0. */
 #define QK_HEADS 3
 #ifdef KVS_AVX2
-#define KVS_QK_FMA(g)                                                                                 \
-    if (GS > g) {                                                                                     \
-        const __m256 qv = _mm256_loadu_ps(q + g * D + d);                                             \
-        a##g##0 = _mm256_fmadd_ps(qv, k0, a##g##0);                                                   \
-        a##g##1 = _mm256_fmadd_ps(qv, k1, a##g##1);                                                   \
-        a##g##2 = _mm256_fmadd_ps(qv, k2, a##g##2);                                                   \
-        a##g##3 = _mm256_fmadd_ps(qv, k3, a##g##3);                                                   \
+#define KVS_QK_FMA(j)                                                                                 \
+    if (BF16) {                                                                                       \
+        __m256 klo, khi;                                                                              \
+        load16_split((const uint16_t *)k_cache + at[j] + d, &klo, &khi);                              \
+        a0##j = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), khi, _mm256_fmadd_ps(_mm256_loadu_ps(q + d), klo, a0##j)); \
+        if (GS > 1) a1##j = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d + 8), khi,                      \
+                                            _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), klo, a1##j)); \
+        if (GS > 2) a2##j = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d + 8), khi,                  \
+                                            _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), klo, a2##j)); \
+    } else {                                                                                          \
+        const __m256 kv = _mm256_loadu_ps((const float *)k_cache + at[j] + d);                        \
+        a0##j = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv, a0##j);                                  \
+        if (GS > 1) a1##j = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), kv, a1##j);                   \
+        if (GS > 2) a2##j = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), kv, a2##j);               \
     }
 #define KVS_QK_OUT(g)                                                                                 \
     if (GS > g) {                                                                                     \
@@ -317,26 +345,29 @@ static inline void prefetch_span(const char *start, size_t bytes) {
         _mm_storeu_ps(dots[g], _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(hs), _mm256_extractf128_ps(hs, 1)), \
                                           _mm_set1_ps(scale)));                                       \
     }
-static inline __attribute__((always_inline)) void qk_tile(const int GS, const float *q, int64_t D, const void *k_cache,
-                                                          int kv_bf16, const int64_t at[4], float scale,
+static inline __attribute__((always_inline)) void qk_tile(const int GS, const int BF16, const float *q, int64_t D,
+                                                          const void *k_cache, const int64_t at[4], float scale,
                                                           int64_t count, float *out, int64_t out_stride) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 k0 = load8(k_cache, kv_bf16, at[0] + d), k1 = load8(k_cache, kv_bf16, at[1] + d);
-        const __m256 k2 = load8(k_cache, kv_bf16, at[2] + d), k3 = load8(k_cache, kv_bf16, at[3] + d);
-        KVS_QK_FMA(0) KVS_QK_FMA(1) KVS_QK_FMA(2)
+    /* Each K vector is consumed as soon as it is loaded: holding all four (plus the 12 accumulators)
+     * left gcc one register short, and it spilled an accumulator onto the loop's dependency chain. */
+    for (int64_t d = 0; d < D; d += BF16 ? 16 : 8) {
+        KVS_QK_FMA(0) KVS_QK_FMA(1) KVS_QK_FMA(2) KVS_QK_FMA(3)
     }
     float dots[QK_HEADS][4];
     KVS_QK_OUT(0) KVS_QK_OUT(1) KVS_QK_OUT(2)
-    for (int g = 0; g < GS; g++)
-        for (int64_t j = 0; j < count; j++) out[g * out_stride + j] = dots[g][j];
+    for (int g = 0; g < GS; g++) {
+        if (count == 4) _mm_storeu_ps(out + g * out_stride, _mm_loadu_ps(dots[g]));
+        else for (int64_t j = 0; j < count; j++) out[g * out_stride + j] = dots[g][j];
+    }
 }
+
 #undef KVS_QK_FMA
 #undef KVS_QK_OUT
 #endif
 
-/* out[g, 0:16] = sum_t p[g, t] * V[t, 0:16] for GS query heads of one KV head (`column` is the KV
+/* out[g, 0:16] += sum_t p[g, t] * V[t, 0:16] for GS query heads of one KV head (`column` is the KV
  * head's first channel of the 16 within a cache row). */
 #define PV_HEADS 3
 #ifdef KVS_AVX2
@@ -348,15 +379,25 @@ static inline __attribute__((always_inline)) void qk_tile(const int GS, const fl
     }
 #define KVS_PV_OUT(g)                                                                                 \
     if (GS > g) {                                                                                     \
-        _mm256_storeu_ps(out + g * out_stride, a##g##0);                                              \
-        _mm256_storeu_ps(out + g * out_stride + 8, a##g##1);                                          \
+        float *o = out + g * out_stride;                                                              \
+        __m256 first = a##g##0, second = a##g##1;                                                     \
+        if (BF16) unsplit(a##g##0, a##g##1, &first, &second);                                         \
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), first));                                \
+        _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), second));                       \
     }
-static inline __attribute__((always_inline)) void pv_tile(const int GS, const float *p, int64_t length,
-                                                          const int64_t *rows, const void *v_cache, int kv_bf16,
-                                                          int64_t column, float *out, int64_t out_stride) {
+static inline __attribute__((always_inline)) void pv_tile(const int GS, const int BF16, const float *p,
+                                                          int64_t length, int64_t t0, int64_t t1,
+                                                          const int64_t *rows, const void *v_cache, int64_t column,
+                                                          float *out, int64_t out_stride) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-    for (int64_t t = 0; t < length; t++) {
-        const __m256 v0 = load8(v_cache, kv_bf16, rows[t] + column), v1 = load8(v_cache, kv_bf16, rows[t] + column + 8);
+    for (int64_t t = t0; t < t1; t++) {
+        __m256 v0, v1;      /* bf16: in load16_split's order, undone once at the end */
+        if (BF16) {
+            load16_split((const uint16_t *)v_cache + rows[t] + column, &v0, &v1);
+        } else {
+            v0 = _mm256_loadu_ps((const float *)v_cache + rows[t] + column);
+            v1 = _mm256_loadu_ps((const float *)v_cache + rows[t] + column + 8);
+        }
         KVS_PV_FMA(0) KVS_PV_FMA(1) KVS_PV_FMA(2)
     }
     KVS_PV_OUT(0) KVS_PV_OUT(1) KVS_PV_OUT(2)
@@ -365,13 +406,12 @@ static inline __attribute__((always_inline)) void pv_tile(const int GS, const fl
 #undef KVS_PV_OUT
 #endif
 
-/* out = p @ V over a context already in cache (a prefill chunk's tokens share their sequence's
- * rows): per KV head, up to PV_HEADS of its query heads and 16 channels at a time, the accumulators
- * in registers over the whole context (accumulating in `out` puts a store-to-load round trip on
- * every key's dependency chain). Over a DRAM-resident context, its per-channel passes cost more than
- * they save, so decodes use the one-pass loop in attend. */
+/* out += p @ V over keys [t0, t1): per KV head, up to PV_HEADS of its query heads and 16 channels
+ * at a time, the accumulators in registers over the keys (accumulating in `out` per key put a
+ * store-to-load round trip on every key's dependency chain, and a store per FMA). */
 static void pv_registers(const float *scores, float *outs, int64_t h0, int64_t h1, int64_t G, int64_t D,
-                         const void *v_cache, int kv_bf16, const int64_t *rows, int64_t length) {
+                         const void *v_cache, int kv_bf16, const int64_t *rows, int64_t length, int64_t t0,
+                         int64_t t1) {
     for (int64_t h = h0; h < h1; h++)
         for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS) {
             const int64_t gs = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
@@ -380,19 +420,27 @@ static void pv_registers(const float *scores, float *outs, int64_t h0, int64_t h
             int64_t d0 = 0;
 #ifdef KVS_AVX2
             for (; d0 + 16 <= D; d0 += 16) {
-                if (gs == 3) pv_tile(3, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
-                else if (gs == 2) pv_tile(2, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
-                else pv_tile(1, p, length, rows, v_cache, kv_bf16, h * D + d0, o + d0, D);
+#define KVS_PV_CALL(GS) kv_bf16 ? pv_tile(GS, 1, p, length, t0, t1, rows, v_cache, h * D + d0, o + d0, D) \
+                                : pv_tile(GS, 0, p, length, t0, t1, rows, v_cache, h * D + d0, o + d0, D)
+                if (gs == 3) KVS_PV_CALL(3);
+                else if (gs == 2) KVS_PV_CALL(2);
+                else KVS_PV_CALL(1);
+#undef KVS_PV_CALL
             }
 #endif
             for (int64_t g = 0; g < gs; g++)
                 for (int64_t d = d0; d < D; d++) {
                     float acc = 0.0f;
-                    for (int64_t t = 0; t < length; t++) acc += p[g * length + t] * load1(v_cache, kv_bf16, rows[t] + h * D + d);
-                    o[g * D + d] = acc;
+                    for (int64_t t = t0; t < t1; t++) acc += p[g * length + t] * load1(v_cache, kv_bf16, rows[t] + h * D + d);
+                    o[g * D + d] += acc;
                 }
         }
 }
+
+/* Keys per P @ V chunk: the chunk's V rows (32 x a row's heads, 12 KiB for 3 bf16 heads of 64) stay
+ * in L1 while every channel slice and head passes over them, and the next chunk is prefetched into
+ * L1 meanwhile (from L2, where a decode's score pass put it). */
+#define PV_CHUNK 32
 
 static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G, int64_t D, const void *k_cache,
                    const void *v_cache, int kv_bf16, const int64_t *table, int64_t length, int64_t block_size,
@@ -412,33 +460,54 @@ static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G
     }
     const int elem = kv_bf16 ? 2 : 4;
     const size_t span_bytes = (size_t)((h1 - h0) * D * elem);    /* one row's bytes for these heads */
-    /* 1. scores = q . k * scale, four keys at a time (one horizontal reduction for all four). */
+    /* 1. scores = q . k * scale, four keys at a time (one horizontal reduction for all four), every
+     * head of the row before the next four: over a DRAM-resident context, one pass per KV head
+     * measured a third slower than this one pass over whole rows. */
+#ifdef KVS_AVX2
+    const int vector_path = kv_bf16 ? D % 16 == 0 : D % 8 == 0;
+#else
+    const int vector_path = 0;
+#endif
+    float q_split[vector_path && kv_bf16 ? heads * D : 1];     /* bf16 keys: q in load16_split's order */
+#ifdef KVS_AVX2
+    if (vector_path && kv_bf16)
+        for (int64_t at = 0; at < heads * D; at += 16) permute_like_split(qs + at, q_split + at);
+#endif
     for (int64_t t0 = 0; t0 < length; t0 += 4) {
         int64_t quad[4];
         const int64_t count = length - t0 < 4 ? length - t0 : 4;
         for (int j = 0; j < 4; j++) quad[j] = rows[t0 + (j < count ? j : 0)];
         /* The next blocks are elsewhere in memory: fetch rows 8-11 ahead (all lines of their heads)
-         * while these four are computed, so the loop does not wait on DRAM at each block boundary. */
-        for (int64_t ahead = t0 + 8; ahead < t0 + 12 && ahead < length; ahead++)
+         * while these four are computed, so the loop does not wait on DRAM at each block boundary.
+         * The same rows of V go to L2 now, for step 3: two streams in flight instead of one cut the
+         * attention time of a batch-64 decode over DRAM-resident contexts by about a fifth. */
+        for (int64_t ahead = t0 + 8; ahead < t0 + 12 && ahead < length; ahead++) {
             prefetch_span((const char *)k_cache + (size_t)(rows[ahead] + h0 * D) * elem, span_bytes);
+            if (!cached_context)
+                prefetch_span_l2((const char *)v_cache + (size_t)(rows[ahead] + h0 * D) * elem, span_bytes);
+        }
         for (int64_t h = h0; h < h1; h++)
             for (int64_t g0 = 0; g0 < G; g0 += QK_HEADS) {
-                const int64_t gs = G - g0 < QK_HEADS ? G - g0 : QK_HEADS;
-                const float *qg = qs + ((h - h0) * G + g0) * D;
-                float *out_rows = scores + ((h - h0) * G + g0) * length + t0;
+                const int64_t gs = G - g0 < QK_HEADS ? G - g0 : QK_HEADS, first = (h - h0) * G + g0;
+                float *out_rows = scores + first * length + t0;
 #ifdef KVS_AVX2
-                if (D % 8 == 0) {
+                if (vector_path) {
                     const int64_t at[4] = {quad[0] + h * D, quad[1] + h * D, quad[2] + h * D, quad[3] + h * D};
-                    if (gs == 3) qk_tile(3, qg, D, k_cache, kv_bf16, at, scale, count, out_rows, length);
-                    else if (gs == 2) qk_tile(2, qg, D, k_cache, kv_bf16, at, scale, count, out_rows, length);
-                    else qk_tile(1, qg, D, k_cache, kv_bf16, at, scale, count, out_rows, length);
+                    /* GS and BF16 literal at each call: no branch on either inside the loop. */
+#define KVS_QK_CALL(GS) kv_bf16 ? qk_tile(GS, 1, q_split + first * D, D, k_cache, at, scale, count, out_rows, length) \
+                                : qk_tile(GS, 0, qs + first * D, D, k_cache, at, scale, count, out_rows, length)
+                    if (gs == 3) KVS_QK_CALL(3);
+                    else if (gs == 2) KVS_QK_CALL(2);
+                    else KVS_QK_CALL(1);
+#undef KVS_QK_CALL
                     continue;
                 }
 #endif
                 for (int64_t g = 0; g < gs; g++)
                     for (int64_t j = 0; j < count; j++) {
                         float acc = 0.0f;
-                        for (int64_t d = 0; d < D; d++) acc += qg[g * D + d] * load1(k_cache, kv_bf16, quad[j] + h * D + d);
+                        for (int64_t d = 0; d < D; d++)
+                            acc += qs[(first + g) * D + d] * load1(k_cache, kv_bf16, quad[j] + h * D + d);
                         out_rows[g * length + j] = acc * scale;
                     }
             }
@@ -467,40 +536,14 @@ static void attend(const float *q, float *out, int64_t h0, int64_t h1, int64_t G
         const float inv = 1.0f / total;
         for (t = 0; t < length; t++) sc[t] *= inv;
     }
-    if (cached_context) {
-        pv_registers(scores, outs, h0, h1, G, D, v_cache, kv_bf16, rows, length);
-        return;
-    }
-    /* 3. out = p @ V for a context read from DRAM: each V row once, in order, 32 channels at a time
-     * for every query head of its KV head (the accumulators live in `out`, in L1), prefetching
-     * 4 rows ahead. */
+    /* 3. out = p @ V, chunk by chunk (see PV_CHUNK); a prefill chunk's context is in cache already. */
     memset(outs, 0, sizeof(float) * (size_t)(heads * D));
-    for (int64_t t = 0; t < length; t++) {
-        if (t + 4 < length)
-            prefetch_span((const char *)v_cache + (size_t)(rows[t + 4] + h0 * D) * elem, span_bytes);
-        for (int64_t h = h0; h < h1; h++) {
-            const int64_t row = rows[t] + h * D;
-            int64_t d0 = 0;
-#ifdef KVS_AVX2
-            for (; d0 + 32 <= D; d0 += 32) {
-                const __m256 v0 = load8(v_cache, kv_bf16, row + d0), v1 = load8(v_cache, kv_bf16, row + d0 + 8);
-                const __m256 v2 = load8(v_cache, kv_bf16, row + d0 + 16), v3 = load8(v_cache, kv_bf16, row + d0 + 24);
-                for (int64_t g = 0; g < G; g++) {
-                    const __m256 pt = _mm256_set1_ps(scores[((h - h0) * G + g) * length + t]);
-                    float *o = outs + ((h - h0) * G + g) * D + d0;
-                    _mm256_storeu_ps(o, _mm256_fmadd_ps(pt, v0, _mm256_loadu_ps(o)));
-                    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(pt, v1, _mm256_loadu_ps(o + 8)));
-                    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(pt, v2, _mm256_loadu_ps(o + 16)));
-                    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(pt, v3, _mm256_loadu_ps(o + 24)));
-                }
-            }
-#endif
-            for (int64_t g = 0; g < G && d0 < D; g++) {
-                const float pt = scores[((h - h0) * G + g) * length + t];
-                float *o = outs + ((h - h0) * G + g) * D;
-                for (int64_t d = d0; d < D; d++) o[d] += pt * load1(v_cache, kv_bf16, row + d);
-            }
-        }
+    for (int64_t t0 = 0; t0 < length; t0 += PV_CHUNK) {
+        const int64_t t1 = t0 + PV_CHUNK < length ? t0 + PV_CHUNK : length;
+        if (!cached_context)
+            for (int64_t ahead = t1; ahead < t1 + PV_CHUNK && ahead < length; ahead++)
+                prefetch_span((const char *)v_cache + (size_t)(rows[ahead] + h0 * D) * elem, span_bytes);
+        pv_registers(scores, outs, h0, h1, G, D, v_cache, kv_bf16, rows, length, t0, t1);
     }
 }
 
