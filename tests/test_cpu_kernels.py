@@ -99,6 +99,25 @@ def test_bf16_cache_matches_reference_on_the_widened_cache():
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(28, 4, 128), (9, 3, 64), (4, 2, 48), (2, 2, 32)])
+def test_bf16_cache_over_shapes_and_chunk_edges(num_heads, num_kv_heads, head_dim):
+    """bf16 K/V go through the unpack-widened path (head_dim a multiple of 16, the query permuted to
+    match) or the scalar one (48); contexts end before, on and after the 32-key P @ V chunk edges."""
+    torch.manual_seed(num_heads + head_dim)
+    block_size, lengths = 16, torch.tensor([1, 31, 32, 33, 97, 64], dtype=torch.int32)
+    max_blocks = -(-int(lengths.max()) // block_size)
+    num_blocks = len(lengths) * max_blocks + 2
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).bfloat16()
+    tables = torch.randperm(num_blocks)[:len(lengths) * max_blocks].view(len(lengths), max_blocks)
+    query = torch.randn(len(lengths), num_heads, head_dim)
+    mask = torch.arange(max_blocks * block_size)[None, :] < lengths[:, None]
+    expected = reference.paged_decode_attention(query, k_cache.float(), v_cache.float(), tables, mask,
+                                                head_dim ** -0.5)
+    got = cpu_kernels.paged_decode_attention(query, k_cache, v_cache, tables, lengths, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
 def test_per_token_contexts_give_causal_prefill_attention():
     """A prompt's tokens, each attending to its own prefix through the paged cache, equal causal SDPA
     over the contiguous prompt: the same kernel serves prefill chunks and decodes."""
