@@ -39,6 +39,11 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list
     return torch.randint(low, vocab_size, (num, input_len), generator=generator).tolist()
 
 
+def _cpu_fma_gflops() -> Optional[float]:
+    from kvserve.kernels import cpu as cpu_kernels
+    return cpu_kernels.fma_gflops(0.25)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -46,13 +51,15 @@ def _sync(device: torch.device) -> None:
 
 def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repeats: int, seed: int) -> BenchPoint:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
-    times, peak_usage, steps = [], 0.0, 0
+    times, peak_usage, steps, calibration = [], 0.0, 0, []
     engine.reset_expert_load()     # MoE models: tokens per expert over this point's runs
     for repeat in range(repeats):
         # Fresh prompts for every point and repeat: a prefix-cache hit on an earlier run's prompt would
         # skip prefill work the baseline does.
         prompts = random_prompts(batch_size, input_len, engine.model.config.vocab_size,
                                  seed + 1_000_003 * (repeat + 1) + batch_size)
+        if engine.device.type == "cpu":
+            calibration.append(_cpu_fma_gflops())
         ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
         _sync(engine.device)
         started = time.perf_counter()
@@ -72,6 +79,9 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
              "kv_bytes_per_token": engine.kv_bytes_per_token,
              "preemptions": engine.scheduler.num_preemptions_total,
              "runs_s": [round(t, 4) for t in times]}
+    if any(c is not None for c in calibration):
+        # Each run's compute next to its time: this VM's cores drift by a third within minutes.
+        extra["cpu_fma_gflops_before_runs"] = calibration
     expert_load = engine.expert_load()
     if expert_load is not None:
         extra["expert_load"] = expert_load.as_dict()

@@ -62,10 +62,11 @@ def test_rejects_bad_input():
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,in_features,out_features",
-                         [(1, 64, 96), (5, 33, 40), (7, 576, 960), (130, 48, 17), (130, 700, 40), (13, 1536, 33)])
+                         [(1, 64, 96), (5, 33, 40), (7, 576, 960), (130, 48, 17), (130, 700, 40), (13, 1536, 33),
+                          (200, 1536, 100)])
 def test_linear_matches_torch(bf16, rows, in_features, out_features):
-    """Every micro-tile height (1-6 rows), partial panels, odd K, more rows than one cache block (for
-    K = 48 and K = 700), the MLP's long K (1536)."""
+    """Every micro-tile height (1-6 rows), partial panels, odd K, more rows than one packed row block
+    (K = 700: 90 rows; K = 1536: 42) with a partial sliver after the last full one, the MLP's long K."""
     torch.manual_seed(rows + out_features)
     weight, bias, x = torch.randn(out_features, in_features), torch.randn(out_features), torch.randn(rows, in_features)
     # bf16 weights are widened exactly, so the reference is fp32 math on the rounded weight.

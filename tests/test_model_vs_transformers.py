@@ -36,9 +36,7 @@ def engine_llm(tiny_checkpoint):
     return LLM(folder, **_options()), hf_model
 
 
-def test_logits_match_transformers(engine_llm):
-    llm, hf_model = engine_llm
-    prompt = PROMPTS[2]
+def _assert_logits_match(llm, hf_model, prompt: list[int]) -> None:
     with torch.no_grad():
         hf_logits = hf_model(torch.tensor([prompt], device=TEST_DEVICE)).logits[0].float()
     runner = llm.engine.runner
@@ -52,6 +50,19 @@ def test_logits_match_transformers(engine_llm):
         ours = runner.model.compute_logits(hidden)
     # fp32 on both sides; differences are GEMM summation order only.
     torch.testing.assert_close(ours, hf_logits, atol=2e-4, rtol=1e-4)
+
+
+def test_logits_match_transformers(engine_llm):
+    llm, hf_model = engine_llm
+    _assert_logits_match(llm, hf_model, PROMPTS[2])
+
+
+def test_logits_match_transformers_over_several_forward_chunks(engine_llm):
+    """A 450-token step: the native CPU forward runs each layer over 192-token chunks, each attending to
+    the K/V the earlier chunks of the same layer stored."""
+    llm, hf_model = engine_llm
+    generator = torch.Generator().manual_seed(11)
+    _assert_logits_match(llm, hf_model, [1] + torch.randint(3, 256, (449,), generator=generator).tolist())
 
 
 def test_prompt_logprobs_match_transformers(engine_llm):

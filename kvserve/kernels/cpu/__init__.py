@@ -99,6 +99,8 @@ def _library() -> ctypes.CDLL | None:
     library.kvs_argmax_rows.argtypes = [_p, _i64, _i64, _p]
     library.kvs_llama_workspace.restype = _i64
     library.kvs_llama_workspace.argtypes = [ctypes.POINTER(ModelDims), _i64, _i64]
+    library.kvs_fma_gflops.restype = ctypes.c_double
+    library.kvs_fma_gflops.argtypes = [ctypes.c_double]
     library.kvs_llama_forward.restype = ctypes.c_int
     library.kvs_llama_forward.argtypes = ([ctypes.POINTER(ModelDims), ctypes.POINTER(LayerPointers), _p, _p, _p, _i64]
                                           + [_p] * 6 + [_i64, _p, _i64])
@@ -194,6 +196,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError("block_tables and context_lens need one row per query")
     return paged_attention(query, k_cache, v_cache, block_tables,
                            torch.arange(query.shape[0], dtype=torch.int32), context_lens, scale)
+
+
+def fma_gflops(seconds: float = 0.2) -> float | None:
+    """GFLOP/s of a register-only FMA loop on every thread of torch's pool, now (None without the
+    kernels or AVX2): the machine's compute right now, to state beside a CPU benchmark's figure."""
+    if not available():
+        return None
+    measured = library().kvs_fma_gflops(seconds)
+    return round(measured, 1) if measured > 0 else None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
