@@ -36,6 +36,9 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "auto (triton on CUDA when importable; on CPU the native C forward "
                                           "when the model allows, else torch), triton, native or torch",
                                   choices=("auto", "triton", "native", "torch"))
+    gemv_max_tokens: int = _opt(8, "CUDA: steps of at most this many tokens run the linear layers through "
+                                   "kvserve's Triton skinny GEMM (and SwiGLU's activation fused into it) "
+                                   "instead of cuBLAS; 0: always cuBLAS (at most 16)")
     moe_implementation: str = _opt("auto", "MoE experts (DeepSeek): grouped (all experts in grouped GEMMs), loop "
                                            "(one GEMM pair per expert), auto (grouped on CUDA bf16 sm90+, else loop)",
                                    choices=("auto", "grouped", "loop"))
@@ -133,6 +136,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {cache.block_size}")
         if cache.kv_cache_memory is not None and cache.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {cache.kv_cache_memory}")
+        if not 0 <= model.gemv_max_tokens <= 16:
+            raise ValueError(f"gemv_max_tokens must be in [0, 16], got {model.gemv_max_tokens}")
         if not 0.0 < cache.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
         if (sched.max_num_batched_tokens is not None and sched.max_num_batched_tokens < 1) or sched.max_num_seqs < 1:

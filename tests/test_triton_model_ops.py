@@ -54,6 +54,34 @@ def test_rotary_matches_reference(dtype, num_heads, num_kv_heads, head_dim, num_
     assert torch.equal(qkv[:, q_size + kv_size:], expected_v), "the value columns must not be touched"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (28, 4, 128), (4, 2, 16)])
+def test_rotary_and_store_kv_matches_rotary_then_store(dtype, num_heads, num_kv_heads, head_dim):
+    """The fused kernel leaves qkv as rotary_inplace does and the caches as store_kv does, skipping
+    slot -1 (a padding token)."""
+    from kvserve.kernels.triton.kv_store import store_kv
+    from kvserve.kernels.triton.rotary import rotary_and_store_kv, rotary_inplace
+    torch.manual_seed(head_dim)
+    num_tokens, num_blocks, block_size = 11, 6, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
+    cos, sin = _cos_sin(num_tokens, head_dim, dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots[3] = -1
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), 7.0, device=DEVICE, dtype=dtype)
+              for _ in range(4)]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    expected = qkv.clone()
+    rotary_inplace(expected[:, :q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim), cos, sin)
+    store_kv(expected[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+             expected[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim), caches[0], caches[1], slots)
+    rotary_and_store_kv(qkv, num_heads, num_kv_heads, head_dim, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(qkv, expected)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert (caches[2].view(-1, num_kv_heads, head_dim)[slots[slots >= 0]] != 7.0).any()
+    with pytest.raises(ValueError, match="fused QKV"):
+        rotary_and_store_kv(qkv[:, :-1], num_heads, num_kv_heads, head_dim, cos, sin, caches[2], caches[3], slots)
+
+
 def test_rotary_rejects_bad_shapes():
     from kvserve.kernels.triton.rotary import rotary_inplace
     qk = torch.randn(4, 3, 64, device=DEVICE)

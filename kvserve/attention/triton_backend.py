@@ -23,6 +23,9 @@ from kvserve.kernels import quant_reference, reference
 
 class TritonAttentionBackend:
     name = "triton"
+    # The model may write K/V into full-precision caches itself, fused with rotary
+    # (layers.rotary_and_store_kv), and pass kv_stored=True.
+    stores_kv_with_rotary = True
 
     def __init__(self, plain_prefill: str = "triton", max_decode_context_len: int | None = None) -> None:
         if plain_prefill not in ("triton", "sdpa"):
@@ -39,12 +42,14 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]."""
+                scale: float, kv_stored: bool = False) -> torch.Tensor:
+        """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]. kv_stored: the model
+        already wrote key/value into the (full-precision) caches (stores_kv_with_rotary)."""
         if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
             return self._forward_quantized(query, key, value, k_cache, v_cache, meta, scale)
         kernels = self._kernels
-        kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
         if num_decodes:

@@ -24,6 +24,7 @@ from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.builder import build_model, resolve_device, resolve_dtype
+from kvserve.model.layers import configure_gemv
 from kvserve.model.loader import resolve_model
 from kvserve.kvcache.quant import spec_from_config
 from kvserve.runner import InflightStep, ModelRunner, StepResult, kv_bytes_per_token
@@ -87,6 +88,7 @@ class Engine:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.eos_token_ids = self._eos_token_ids()
+        configure_gemv(model_cfg.gemv_max_tokens)      # before graph capture: the graphs record the choice
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)

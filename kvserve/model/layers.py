@@ -16,6 +16,16 @@ from torch import nn
 
 
 @functools.lru_cache(maxsize=1)
+def _gemv_ops():
+    """kvserve.kernels.triton.gemv, or None where triton is not installed (CPU-only)."""
+    try:
+        from kvserve.kernels.triton import gemv
+    except ImportError:
+        return None
+    return gemv
+
+
+@functools.lru_cache(maxsize=1)
 def _triton_ops():
     """(fused_ops, rotary) Triton modules, or None where triton is not installed (CPU-only)."""
     try:
@@ -43,6 +53,38 @@ def fused_kernels(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _fused_enabled = previous
+
+
+# Steps of at most this many tokens run the linear layers through the Triton skinny GEMM on CUDA
+# (kvserve/kernels/triton/gemv.py); larger ones through cuBLAS. Set from the engine's `gemv_max_tokens`.
+_gemv_max_rows = 8
+
+
+def configure_gemv(max_rows: int) -> None:
+    """0 turns the skinny GEMM off (every linear layer through cuBLAS)."""
+    global _gemv_max_rows
+    _gemv_max_rows = max(0, int(max_rows))
+
+
+def _gemv_for(x: torch.Tensor, weight: torch.Tensor):
+    """The gemv module when this call should take it, else None."""
+    if x.dim() != 2 or x.shape[0] > _gemv_max_rows or not use_fused_kernels(x):
+        return None
+    ops = _gemv_ops()
+    return ops if ops is not None and ops.supports(x, weight) else None
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose decode-sized calls on CUDA stream the weight through kvserve's Triton skinny
+    GEMM: at batch 1-8 a linear layer's time is its weight bytes over the bandwidth it reaches, and
+    that kernel reaches more of it than cuBLAS on the R1-Distill shapes (benchmarks/gemv_bench.py).
+    Still an nn.Linear: weight loading and CPU weight packing see no difference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = _gemv_for(x, self.weight)
+        if ops is not None:
+            return ops.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -116,6 +158,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused QKV output [T, (heads + 2 kv_heads) * D] -> views q [T, heads, D], k and v [T, kv_heads, D]."""
+    num_tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    return (qkv[:, :q_size].view(num_tokens, num_heads, head_dim),
+            qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
+            qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim))
+
+
 def rotate_queries_and_keys(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused QKV output [T, (heads + 2 kv_heads) * D] -> rotated q [T, heads, D], k, and v [T, kv_heads, D]."""
@@ -125,14 +177,19 @@ def rotate_queries_and_keys(qkv: torch.Tensor, num_heads: int, num_kv_heads: int
         # q and k are adjacent columns of the GEMM output: rotate both in place with one kernel.
         _triton_ops()[1].rotary_inplace(qkv[:, :q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim),
                                         cos, sin)
-        q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    else:
-        # q and k rotated as one [T, heads + kv_heads, D] tensor: half the small ops of two calls.
-        qk = apply_rotary(qkv[:, :q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim), cos, sin)
-        q, k = qk[:, :num_heads], qk[:, num_heads:]
-    v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
-    return q, k, v
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    # q and k rotated as one [T, heads + kv_heads, D] tensor: half the small ops of two calls.
+    qk = apply_rotary(qkv[:, :q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim), cos, sin)
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+
+
+def rotary_and_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """CUDA: rotates q/k of the fused QKV output in place and writes K/V into the paged cache in one
+    kernel (kvserve/kernels/triton/rotary.py), for backends with `stores_kv_with_rotary`."""
+    _triton_ops()[1].rotary_and_store_kv(qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache,
+                                         slot_mapping)
 
 
 class SwiGLU(nn.Module):
@@ -141,10 +198,13 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gemv = _gemv_for(x, self.gate_up_proj.weight) if isinstance(self.gate_up_proj, Linear) else None
+        if gemv is not None:      # gate_up and SiLU*mul in one pass over the weight
+            return self.down_proj(gemv.gemv(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_mul=True))
         gate_up = self.gate_up_proj(x)
         if use_fused_kernels(gate_up):
             return self.down_proj(_triton_ops()[0].silu_and_mul(gate_up))

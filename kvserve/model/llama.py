@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, rotate_queries_and_keys
+from kvserve.model.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, rotary_and_store_kv, rotate_queries_and_keys,
+                                  split_qkv, use_fused_kernels)
 
 
 class LlamaAttention(nn.Module):
@@ -25,15 +26,23 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = rotate_queries_and_keys(self.qkv_proj(hidden), self.num_heads, self.num_kv_heads,
-                                          self.head_dim, cos, sin)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        qkv = self.qkv_proj(hidden)
+        if getattr(backend, "stores_kv_with_rotary", False) and use_fused_kernels(qkv) \
+                and all(isinstance(cache, torch.Tensor) for cache in kv_cache):
+            # One kernel rotates q/k and writes K/V into the cache; the backend then only attends.
+            rotary_and_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+                                kv_cache[0], kv_cache[1], meta.slot_mapping)
+            q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=True)
+        else:
+            q, k, v = rotate_queries_and_keys(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
+            out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -77,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         first_attn = self.layers[0].self_attn
         self.rotary = RotaryEmbedding(cfg, first_attn.head_dim)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             # One parameter under two names; named_parameters() lists it once, as embed_tokens.
             self.lm_head.weight = self.embed_tokens.weight
