@@ -20,6 +20,21 @@ SPLIT_COMBINE_DYNAMIC_ARGS = ["num_splits", "partial_stride_seq", "partial_strid
                               "lse_stride_seq", "lse_stride_head"]
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm90+). A kernel launched with it is scheduled while the one
+    before it drains, then waits (griddepcontrol.wait, its first instruction) until that one has
+    finished and its writes are visible: the order of effects is unchanged, the gap between kernels
+    shrinks. CUDA graphs keep it. KVSERVE_PDL=0 turns it off."""
+    if interpreting() or device.type != "cuda" or os.environ.get("KVSERVE_PDL", "1") == "0":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -37,8 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from kvserve.kernels.triton._common import (SPLIT_COMBINE_DYNAMIC_ARGS, SPLIT_DECODE_DYNAMIC_ARGS, cdiv, interpreting,
-                                            next_power_of_2, num_sms)
+                                            next_power_of_2, num_sms, pdl_enabled)
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 256
@@ -181,7 +183,10 @@ def _decode_split_kernel(
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
         TILE: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
-        USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        USE_DOT: tl.constexpr, DOT_UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:     # see _common.pdl_enabled
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,7 +269,10 @@ def _decode_combine_kernel(
         lse_stride_seq, lse_stride_head,
         out_stride_seq, out_stride_head,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr,
-        MIN_SPLIT_TOKENS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        MIN_SPLIT_TOKENS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:     # see _common.pdl_enabled
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
@@ -342,6 +350,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device, config,
                                        _resident_per_sm.get(occupancy_key))
     interpret = interpreting()
+    pdl = pdl_enabled(query.device)
     dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
     meta = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=max(16, next_power_of_2(head_dim)),
                 TILE=config.tile, MIN_SPLIT_TOKENS=config.min_split_tokens)
@@ -353,8 +362,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             0, 0, 0, 0, 0,
-            USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+            USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=dot_precision, PDL=pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl, **meta)
         _note_occupancy(occupancy_key, compiled, query.device)
         return out
     if workspace is None:
@@ -372,8 +381,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
-        USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=dot_precision,
-        num_warps=config.num_warps, num_stages=config.num_stages, **meta)
+        USE_DOT=config.use_dot, DOT_UPCAST=interpret, DOT_PRECISION=dot_precision, PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl, **meta)
     _note_occupancy(occupancy_key, compiled, query.device)
     _decode_combine_kernel[(batch, num_heads)](
         partial_out, partial_lse, context_lens, out, num_splits,
@@ -381,8 +390,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=meta["DIM_PAD"], TILE=config.tile,
-        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
-        num_warps=4)
+        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
     return out
 
 

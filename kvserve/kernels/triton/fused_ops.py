@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton._common import cdiv, next_power_of_2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvserve.kernels.triton._common import cdiv, next_power_of_2, pdl_enabled
 
 MAX_HIDDEN = 65536
 
@@ -21,7 +23,10 @@ MAX_HIDDEN = 65536
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      x_stride, residual_stride, out_stride, residual_out_stride,
                      hidden_size, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # see _common.pdl_enabled
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -71,8 +76,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             rows_x.stride(0), rows_residual.stride(0) if residual is not None else 0, out.stride(0),
             residual_out.stride(0) if residual is not None else 0,
             hidden_size, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=max(1, min(16, block // 256)))
+            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl_enabled(x.device),
+            num_warps=max(1, min(16, block // 256)), launch_pdl=pdl_enabled(x.device))
     out = out.view(*x.shape[:-1], hidden_size)
     if residual is None:
         return out

@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton._common import cdiv
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvserve.kernels.triton._common import cdiv, pdl_enabled
 
 MAX_ROWS = 16
 
@@ -42,8 +44,12 @@ class GemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, x_stride, w_stride, out_stride,
                  K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """N output features (SILU_MUL: N gate rows, then N up rows of the weight, out = silu(gate) * up)."""
+    if PDL:     # see _common.pdl_enabled: wait for the previous kernel, let the next one be scheduled
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_m = tl.arange(0, BLOCK_M)
@@ -176,9 +182,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     # constant: a model has a handful of weight shapes, and the loop's trip count is then fixed.
     k_per_split = cdiv(cdiv(k, split), config.block_k) * config.block_k
     grid = (tiles, split)
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, partials, counters, m, out_features, k, x.stride(0), weight.stride(0),
         out.stride(0), K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, SPLIT_K=split,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=k % (config.block_k * split) == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     return out

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.kernels.triton._common import next_power_of_2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvserve.kernels.triton._common import next_power_of_2, pdl_enabled
 
 
 @triton.jit
@@ -26,7 +28,10 @@ def _rotary_kernel(qk_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                    token_stride, head_stride, cos_stride, num_heads, num_q_heads,
                    cache_stride_slot, cache_stride_head,
                    HALF: tl.constexpr, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                   STORE: tl.constexpr):
+                   STORE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # see _common.pdl_enabled
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_BLOCK)
     cols = tl.arange(0, HALF_BLOCK)
@@ -92,7 +97,8 @@ def rotary_inplace(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
         heads_block, half_block = next_power_of_2(num_heads), next_power_of_2(half)
         _rotary_kernel[(num_tokens,)](qk, cos, sin, qk, qk, cos, qk.stride(0), qk.stride(1), cos.stride(0), num_heads,
                                       num_heads, 0, 0, HALF=half, HEADS_BLOCK=heads_block, HALF_BLOCK=half_block,
-                                      STORE=False, num_warps=_num_warps(heads_block * half_block))
+                                      STORE=False, PDL=pdl_enabled(qk.device), num_warps=_num_warps(heads_block * half_block),
+                                      launch_pdl=pdl_enabled(qk.device))
     return qk
 
 
@@ -124,4 +130,5 @@ def rotary_and_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
         _rotary_kernel[(num_tokens,)](qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), head_dim,
                                       cos.stride(0), heads, num_heads, k_cache.stride(1), k_cache.stride(2),
                                       HALF=half, HEADS_BLOCK=heads_block, HALF_BLOCK=half_block, STORE=True,
-                                      num_warps=_num_warps(heads_block * half_block))
+                                      PDL=pdl_enabled(qkv.device), num_warps=_num_warps(heads_block * half_block),
+                                      launch_pdl=pdl_enabled(qkv.device))
