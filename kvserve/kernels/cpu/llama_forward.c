@@ -66,6 +66,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
  * whole K loop (K is at most a few thousand here), so there is no K blocking.
  * ------------------------------------------------------------------------------------------------ */
 #define MAX_MR 6
+#define PREFETCH_ROWS 96
 
 static void tile_store(float acc[MAX_MR][PANEL], int mr, float *y, int64_t ldy, int ncols, const float *bias,
                        int accumulate) {
@@ -109,7 +110,8 @@ static inline __attribute__((always_inline)) void load_panel_row(const void *w, 
         _mm256_storeu_ps(acc_out[r], c##r##a);                                      \
         _mm256_storeu_ps(acc_out[r] + 8, c##r##b);                                  \
     }
-static inline __attribute__((always_inline)) void micro_tile(const int MR, const int BF16, const int KSTEP, const float *x,
+static inline __attribute__((always_inline)) void micro_tile(const int MR, const int BF16, const int KSTEP, const int STREAM,
+                                                             const float *x,
                                                              int64_t ldx, const void *w, int64_t K,
                                                              float acc_out[MAX_MR][PANEL]) {
     __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
@@ -132,6 +134,7 @@ static inline __attribute__((always_inline)) void micro_tile(const int MR, const
     }
     for (; k < K; k++) {
         __m256 w0, w1;
+        if (STREAM) __builtin_prefetch((const char *)w + (k + PREFETCH_ROWS) * PANEL * (BF16 ? 2 : 4), 0, 0);
         load_panel_row(w, BF16, k, &w0, &w1);
         KVS_ROW_FMA(0) KVS_ROW_FMA(1) KVS_ROW_FMA(2) KVS_ROW_FMA(3) KVS_ROW_FMA(4) KVS_ROW_FMA(5)
     }
@@ -163,25 +166,31 @@ static inline void tile_write(float acc[MAX_MR][PANEL], int mr, float *y, int64_
 }
 #endif
 
-/* One MR x 16 tile of y (=|+=) x @ W_panel^T (+ bias). packed: x is a sliver from pack_rows (MR = MAX_MR). */
-static void gemm_tile(int mr, int packed, const float *x, int64_t ldx, const void *w, int bf16, int64_t K, float *y,
+/* One MR x 16 tile of y (=|+=) x @ W_panel^T (+ bias). packed: x is a sliver from pack_rows (MR = MAX_MR).
+ * stream (a packed bf16 tile that is the first to read its panel): the panel comes from DRAM, and at
+ * decode batch sizes the next tiles find it in cache but this one waits on it. It prefetches
+ * PREFETCH_ROWS rows ahead (3 KiB; non-temporal hint): +7 to +20% on the model's GEMMs at 16 rows
+ * streaming their weights from DRAM on two threads, ~0 to +4% at 64 (paired runs); for the unpacked
+ * single-row tile (batch 1) it measured no gain in the engine. */
+static void gemm_tile(int mr, int packed, int stream, const float *x, int64_t ldx, const void *w, int bf16, int64_t K, float *y,
                       int64_t ldy, int ncols, const float *bias, int accumulate) {
     float acc[MAX_MR][PANEL];
 #ifdef KVS_AVX2
 #define KVS_CASE(MR)                                                               \
     case MR:                                                                       \
-        if (bf16) micro_tile(MR, 1, 1, x, ldx, w, K, acc);                         \
-        else micro_tile(MR, 0, 1, x, ldx, w, K, acc);                              \
+        if (bf16) micro_tile(MR, 1, 1, 0, x, ldx, w, K, acc);                         \
+        else micro_tile(MR, 0, 1, 0, x, ldx, w, K, acc);                              \
         break;
     if (packed) {
-        if (bf16) micro_tile(MAX_MR, 1, MAX_MR, x, 1, w, K, acc);
-        else micro_tile(MAX_MR, 0, MAX_MR, x, 1, w, K, acc);
+        if (bf16 && stream) micro_tile(MAX_MR, 1, MAX_MR, 1, x, 1, w, K, acc);
+        else if (bf16) micro_tile(MAX_MR, 1, MAX_MR, 0, x, 1, w, K, acc);
+        else micro_tile(MAX_MR, 0, MAX_MR, 0, x, 1, w, K, acc);
     } else {
         switch (mr) {
             KVS_CASE(1) KVS_CASE(2) KVS_CASE(3) KVS_CASE(4) KVS_CASE(5)
         default:
-            if (bf16) micro_tile(6, 1, 1, x, ldx, w, K, acc);
-            else micro_tile(6, 0, 1, x, ldx, w, K, acc);
+            if (bf16) micro_tile(6, 1, 1, 0, x, ldx, w, K, acc);
+            else micro_tile(6, 0, 1, 0, x, ldx, w, K, acc);
         }
     }
 #undef KVS_CASE
@@ -247,7 +256,7 @@ static void gemm_rows(const float *x, int64_t M, int64_t K, const void *w, int b
             for (int64_t m = m0; m < m1; m += MAX_MR) {
                 const int mr = m1 - m < MAX_MR ? (int)(m1 - m) : MAX_MR;
                 const int packed = pack && mr == MAX_MR;
-                gemm_tile(mr, packed, packed ? pack + (m - m0) * K : x + m * K, K, wp, bf16, K, y + m * N + col, N,
+                gemm_tile(mr, packed, packed && m == m0, packed ? pack + (m - m0) * K : x + m * K, K, wp, bf16, K, y + m * N + col, N,
                           ncols, bias ? bias + col : NULL, accumulate);
             }
         }
