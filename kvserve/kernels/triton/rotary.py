@@ -20,7 +20,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvserve.kernels.triton._common import next_power_of_2, pdl_enabled
+from kvserve.kernels.triton._common import check_cache, next_power_of_2, pdl_enabled
 
 
 @triton.jit
@@ -85,21 +85,7 @@ def rotary_inplace(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     Rotates every head of every token in place and returns qk. Pass the query and key heads as one
     view when they are adjacent in memory (the fused QKV output): one launch for both.
     """
-    num_tokens, num_heads, head_dim = qk.shape
-    if head_dim % 2 or qk.stride(-1) != 1:
-        raise ValueError("rotary needs an even head_dim laid out contiguously")
-    if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape or cos.stride(-1) != 1:
-        raise ValueError(f"cos/sin must be [{num_tokens}, {head_dim}] and contiguous in the last dim")
-    if cos.stride(0) != sin.stride(0):
-        raise ValueError("cos and sin must share a row stride")
-    if num_tokens:
-        half = head_dim // 2
-        heads_block, half_block = next_power_of_2(num_heads), next_power_of_2(half)
-        _rotary_kernel[(num_tokens,)](qk, cos, sin, qk, qk, cos, qk.stride(0), qk.stride(1), cos.stride(0), num_heads,
-                                      num_heads, 0, 0, HALF=half, HEADS_BLOCK=heads_block, HALF_BLOCK=half_block,
-                                      STORE=False, PDL=pdl_enabled(qk.device), num_warps=_num_warps(heads_block * half_block),
-                                      launch_pdl=pdl_enabled(qk.device))
-    return qk
+    return _rotate(qk, cos, sin, None)
 
 
 def rotary_and_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
@@ -113,22 +99,33 @@ def rotary_and_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not a row-major fused QKV output for {num_heads}/"
                          f"{num_kv_heads} heads of {head_dim}")
-    if head_dim % 2:
-        raise ValueError("rotary needs an even head_dim")
-    if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape or cos.stride(-1) != 1 \
-            or cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos/sin must be [{num_tokens}, {head_dim}], contiguous in the last dim, one row stride")
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.stride() != v_cache.stride() \
-            or k_cache.stride(3) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
+    check_cache(k_cache, "k_cache")
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or k_cache.stride() != v_cache.stride():
         raise ValueError(f"caches {tuple(k_cache.shape)} do not match {num_kv_heads} kv heads of {head_dim}")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+    _rotate(qk, cos, sin, (k_cache, v_cache, slot_mapping, num_heads))
+
+
+def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> torch.Tensor:
+    """store: None, or (k_cache, v_cache, slot_mapping, query heads): the heads after the query heads
+    are keys, and the values follow them in qk's rows (the fused QKV layout)."""
+    num_tokens, num_heads, head_dim = qk.shape
+    if head_dim % 2 or qk.stride(-1) != 1:
+        raise ValueError("rotary needs an even head_dim laid out contiguously")
+    if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape or cos.stride(-1) != 1:
+        raise ValueError(f"cos/sin must be [{num_tokens}, {head_dim}] and contiguous in the last dim")
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError("cos and sin must share a row stride")
     if num_tokens:
+        k_cache, v_cache, slots, num_q_heads = store if store is not None else (qk, qk, cos, num_heads)
         half = head_dim // 2
-        heads = num_heads + num_kv_heads
-        heads_block, half_block = next_power_of_2(heads), next_power_of_2(half)
-        _rotary_kernel[(num_tokens,)](qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), head_dim,
-                                      cos.stride(0), heads, num_heads, k_cache.stride(1), k_cache.stride(2),
-                                      HALF=half, HEADS_BLOCK=heads_block, HALF_BLOCK=half_block, STORE=True,
-                                      PDL=pdl_enabled(qkv.device), num_warps=_num_warps(heads_block * half_block),
-                                      launch_pdl=pdl_enabled(qkv.device))
+        heads_block, half_block = next_power_of_2(num_heads), next_power_of_2(half)
+        pdl = pdl_enabled(qk.device)
+        _rotary_kernel[(num_tokens,)](qk, cos, sin, k_cache, v_cache, slots, qk.stride(0), qk.stride(1), cos.stride(0),
+                                      num_heads, num_q_heads, k_cache.stride(1) if store else 0,
+                                      k_cache.stride(2) if store else 0, HALF=half, HEADS_BLOCK=heads_block,
+                                      HALF_BLOCK=half_block, STORE=store is not None, PDL=pdl,
+                                      num_warps=_num_warps(heads_block * half_block), launch_pdl=pdl)
+    return qk
