@@ -144,12 +144,13 @@ def test_fused_dequant_decode_matches_reference(options, shape, dtype):
                                        msg=lambda m: f"{implementation}, {num_splits} splits: {m}")
 
 
+@pytest.mark.parametrize("ids_ahead", [True, False], ids=["ids-ahead", "ids-in-loop"])
 @pytest.mark.parametrize("tile,staging", [(32, "fp16"), (128, "fp16"), (64, "codes"), (32, "codes")])
 @pytest.mark.parametrize("options", [CASES[0], CASES[2], DECODE_CASES[7], DECODE_CASES[9]],
                          ids=lambda o: "-".join(f"{v}" for v in o.values()))
-def test_fast_decode_kernel_launch_variants(options, tile, staging):
-    """The fast kernel's tile and value staging are launch choices: they give the same result
-    (windows, sinks and split edges then fall elsewhere in the tiles)."""
+def test_fast_decode_kernel_launch_variants(options, tile, staging, ids_ahead):
+    """The fast kernel's tile, value staging and block-id loading are launch choices: they give the
+    same result (windows, sinks and split edges then fall elsewhere in the tiles)."""
     from dataclasses import replace
 
     from kvserve.kernels.triton.decode_attention_quant import (default_quant_decode_config,
@@ -168,7 +169,7 @@ def test_fast_decode_kernel_launch_variants(options, tile, staging):
     want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
                                                   rows if spec.needs_rows else None)
     config = replace(default_quant_decode_config(head_dim, dtype), tile=tile if not INTERPRET else tile // 2,
-                     num_warps=8 if tile == 128 and not INTERPRET else 4)
+                     num_warps=8 if tile == 128 and not INTERPRET and not ids_ahead else 4, ids_ahead=ids_ahead)
     for num_splits in (1, 3):
         got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
                                            rows if spec.needs_rows else None, num_splits=num_splits,

@@ -65,6 +65,11 @@ class DecodeConfig:
     num_stages: int = 2
     use_dot: bool = True          # False: broadcast-multiply-sum (for tiny groups and tiles)
     min_split_tokens: int = 128   # a split never covers fewer positions (unless the context is shorter)
+    # Quantized-cache kernel only (decode_attention_quant): a tile's block ids loaded one iteration
+    # ahead (with its scales'), and a cap on registers per thread (more programs per SM).
+    ids_ahead: bool = False
+    max_registers: int | None = None
+    max_registers: int | None = None
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:

@@ -28,9 +28,12 @@ use the same structure with fp32 dots. Value codes are converted before their sh
 staging (an impure asm op keeps the compiler from moving the conversion after it), so the 16-bit
 tile is read with transposing ldmatrix rather than a byte load per element.
 The cache block size is a compile-time constant (a position's block and offset are a shift and a
-mask, not an integer division per row and register layout), and the 2-byte scale gathers, which
-the compiler's cp.async pipeline does not take, run one tile ahead of their use from block ids
-loaded one tile earlier still, so no iteration waits on a global-memory round trip.
+mask, not an integer division per row and register layout), and the 2-byte scale gathers run one
+tile ahead of their use from block ids loaded one tile earlier still; by default (`ids_ahead`) the
+payload loads take their block ids from that run-ahead load too, so each tile waits on one
+global-memory round trip, not two. The loop is latency-bound (it issues in ~40% of the cycles at
+32k context on an H200), so the default launch buys bytes per iteration (tiles of 128 positions)
+and programs per SM (a register cap for 8-bit parts): see default_quant_decode_config.
 Positions that a part's full-precision window holds (sinks and the most recent tokens,
 kvserve.kvcache.quant) are not in the quantized loop: each split runs its quantized positions,
 then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
@@ -170,11 +173,30 @@ def _query_segment(q_rows, group_mask, static_ptr, kv_head, SEGMENT: tl.constexp
 
 
 @triton.jit
-def _key_segment(q_seg, ptr, rows, valid, scale, SEGMENT: tl.constexpr, SEG: tl.constexpr, FORMAT: tl.constexpr,
-                 SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr):
-    """[GROUP_PAD, TILE] scores of one segment of plain or 8-bit keys."""
-    cols = SEGMENT * SEG + tl.arange(0, SEG)
-    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+def _load_chunks(ptr, rows, valid, FORMAT: tl.constexpr, NSEG: tl.constexpr, SEG: tl.constexpr):
+    """A tile's payload bytes of one part as up to 4 chunks of SEG columns: the segments of a plain
+    or 8-bit part; for int4, whose bytes hold segments c and c + NSEG/2, NSEG/2 chunks (entries past
+    the chunk count repeat the first, unused). Masked positions read 0 (for int4 codes -8: their
+    scores become -inf, their probabilities and scales 0; any other fill value would cost a select
+    per byte)."""
+    NCHUNK: tl.constexpr = NSEG // 2 if FORMAT == 3 else NSEG
+    cols = tl.arange(0, SEG)
+    r0 = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    r1 = r0
+    r2 = r0
+    r3 = r0
+    if NCHUNK > 1:
+        r1 = tl.load(ptr + rows[:, None] + (SEG + cols)[None, :], mask=valid[:, None], other=0)
+    if NCHUNK > 2:
+        r2 = tl.load(ptr + rows[:, None] + (2 * SEG + cols)[None, :], mask=valid[:, None], other=0)
+        r3 = tl.load(ptr + rows[:, None] + (3 * SEG + cols)[None, :], mask=valid[:, None], other=0)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _key_segment(q_seg, raw, scale, FORMAT: tl.constexpr, SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 ASM: tl.constexpr, PRECISION: tl.constexpr):
+    """[GROUP_PAD, TILE] scores of one segment of plain or 8-bit keys (its raw [TILE, SEG] bytes)."""
     if FORMAT == 0:
         keys = raw.to(DOT_DTYPE)
     else:
@@ -186,14 +208,11 @@ def _key_segment(q_seg, ptr, rows, valid, scale, SEGMENT: tl.constexpr, SEG: tl.
 
 
 @triton.jit
-def _key_int4_chunk(q_low, q_high, ptr, rows, valid, low_scale, high_scale, CHUNK: tl.constexpr,
+def _key_int4_chunk(q_low, q_high, raw, low_scale, high_scale, CHUNK: tl.constexpr,
                     SEG: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr,
                     DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr):
     """Scores of one chunk of int4 key bytes: its low nibbles are segment CHUNK, its high nibbles the
-    segment head_dim/2 further. (Masked positions read 0, codes -8: their scores become -inf, their
-    probabilities and scales 0; any other fill value would cost a select per byte after cp.async.)"""
-    cols = CHUNK * SEG + tl.arange(0, SEG)
-    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    segment head_dim/2 further."""
     low, high = _codes_int4(raw, DOT_DTYPE, ASM, True)
     LOW_GROUP: tl.constexpr = CHUNK * SEG // GROUP
     HIGH_GROUP: tl.constexpr = (HEAD_DIM // 2 + CHUNK * SEG) // GROUP
@@ -209,26 +228,24 @@ def _key_int4_chunk(q_low, q_high, ptr, rows, valid, low_scale, high_scale, CHUN
 
 
 @triton.jit
-def _key_scores(q0, q1, q2, q3, ptr, rows, valid, s0, s1, s2, s3, FORMAT: tl.constexpr,
+def _key_scores(q0, q1, q2, q3, r0, r1, r2, r3, s0, s1, s2, s3, FORMAT: tl.constexpr,
                 NSEG: tl.constexpr, SEG: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                 SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PRECISION: tl.constexpr):
-    """[GROUP_PAD, TILE] raw scores (q . k) of a tile, over all key segments."""
+    """[GROUP_PAD, TILE] raw scores (q . k) of a tile from its key chunks (_load_chunks)."""
     if FORMAT == 3:
         if NSEG == 2:
-            scores = _key_int4_chunk(q0, q1, ptr, rows, valid, s0, s1, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
-                                     ASM, PRECISION)
+            scores = _key_int4_chunk(q0, q1, r0, s0, s1, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE, ASM, PRECISION)
         else:
-            scores = _key_int4_chunk(q0, q2, ptr, rows, valid, s0, s2, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
-                                     ASM, PRECISION)
-            scores += _key_int4_chunk(q1, q3, ptr, rows, valid, s1, s3, 1, SEG, GROUP, HEAD_DIM, SCALED,
-                                      DOT_DTYPE, ASM, PRECISION)
+            scores = _key_int4_chunk(q0, q2, r0, s0, s2, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE, ASM, PRECISION)
+            scores += _key_int4_chunk(q1, q3, r1, s1, s3, 1, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE, ASM,
+                                      PRECISION)
     else:
-        scores = _key_segment(q0, ptr, rows, valid, s0, 0, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+        scores = _key_segment(q0, r0, s0, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
         if NSEG > 1:
-            scores += _key_segment(q1, ptr, rows, valid, s1, 1, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+            scores += _key_segment(q1, r1, s1, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
         if NSEG > 2:
-            scores += _key_segment(q2, ptr, rows, valid, s2, 2, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
-            scores += _key_segment(q3, ptr, rows, valid, s3, 3, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+            scores += _key_segment(q2, r2, s2, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
+            scores += _key_segment(q3, r3, s3, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
     return scores
 
 
@@ -243,17 +260,14 @@ def _weighted(probs, values, scale, DOT_DTYPE: tl.constexpr, PRECISION: tl.const
 
 
 @triton.jit
-def _value_segment(probs, ptr, rows, valid, scale, SEGMENT: tl.constexpr, SEG: tl.constexpr, FORMAT: tl.constexpr,
-                   SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, V_PURE: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _value_segment(probs, raw, scale, FORMAT: tl.constexpr, SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr):
     """[GROUP_PAD, SEG] P@V update of one segment of plain or 8-bit values.
 
     Values are the dot's B operand with the reduction running over tokens, which are not adjacent
     in memory: from 8-bit data in shared memory that costs a byte load per element. Converting the
     codes to fp16 first (V_PURE=False stops the compiler from moving the conversion past the
     staging) lets the 16-bit tile be read with transposing ldmatrix instead."""
-    cols = SEGMENT * SEG + tl.arange(0, SEG)
-    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
     if FORMAT == 0:
         values = raw.to(DOT_DTYPE)
     else:
@@ -266,12 +280,10 @@ def _value_segment(probs, ptr, rows, valid, scale, SEGMENT: tl.constexpr, SEG: t
 
 
 @triton.jit
-def _value_int4_chunk(probs, ptr, rows, valid, low_scale, high_scale, CHUNK: tl.constexpr, SEG: tl.constexpr,
+def _value_int4_chunk(probs, raw, low_scale, high_scale, CHUNK: tl.constexpr, SEG: tl.constexpr,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
                       ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr):
     """(low segment update, high segment update) of one chunk of int4 value bytes."""
-    cols = CHUNK * SEG + tl.arange(0, SEG)
-    raw = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
     low, high = _codes_int4(raw, DOT_DTYPE, ASM, V_PURE)
     LOW_GROUP: tl.constexpr = CHUNK * SEG // GROUP
     HIGH_GROUP: tl.constexpr = (HEAD_DIM // 2 + CHUNK * SEG) // GROUP
@@ -294,34 +306,32 @@ def _value_int4_chunk(probs, ptr, rows, valid, low_scale, high_scale, CHUNK: tl.
 
 
 @triton.jit
-def _value_updates(probs, ptr, rows, valid, s0, s1, s2, s3, FORMAT: tl.constexpr, NSEG: tl.constexpr,
+def _value_updates(probs, r0, r1, r2, r3, s0, s1, s2, s3, FORMAT: tl.constexpr, NSEG: tl.constexpr,
                    SEG: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SCALED: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr):
-    """Updates of the (up to 4) value segments; entries past NSEG repeat the first (unused)."""
+    """Updates of the (up to 4) value segments from a tile's value chunks (_load_chunks); entries past
+    NSEG repeat the first (unused)."""
     if FORMAT == 3:
         if NSEG == 2:
-            u0, u1 = _value_int4_chunk(probs, ptr, rows, valid, s0, s1, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
-                                       ASM, V_PURE, PRECISION)
+            u0, u1 = _value_int4_chunk(probs, r0, s0, s1, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE, ASM, V_PURE,
+                                       PRECISION)
             u2 = u0
             u3 = u0
         else:
-            u0, u2 = _value_int4_chunk(probs, ptr, rows, valid, s0, s2, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
-                                       ASM, V_PURE, PRECISION)
-            u1, u3 = _value_int4_chunk(probs, ptr, rows, valid, s1, s3, 1, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE,
-                                       ASM, V_PURE, PRECISION)
+            u0, u2 = _value_int4_chunk(probs, r0, s0, s2, 0, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE, ASM, V_PURE,
+                                       PRECISION)
+            u1, u3 = _value_int4_chunk(probs, r1, s1, s3, 1, SEG, GROUP, HEAD_DIM, SCALED, DOT_DTYPE, ASM, V_PURE,
+                                       PRECISION)
     else:
-        u0 = _value_segment(probs, ptr, rows, valid, s0, 0, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE, PRECISION)
+        u0 = _value_segment(probs, r0, s0, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE, PRECISION)
         u1 = u0
         u2 = u0
         u3 = u0
         if NSEG > 1:
-            u1 = _value_segment(probs, ptr, rows, valid, s1, 1, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE,
-                                PRECISION)
+            u1 = _value_segment(probs, r1, s1, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE, PRECISION)
         if NSEG > 2:
-            u2 = _value_segment(probs, ptr, rows, valid, s2, 2, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE,
-                                PRECISION)
-            u3 = _value_segment(probs, ptr, rows, valid, s3, 3, SEG, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE,
-                                PRECISION)
+            u2 = _value_segment(probs, r2, s2, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE, PRECISION)
+            u3 = _value_segment(probs, r3, s3, FORMAT, SCALED, DOT_DTYPE, ASM, V_PURE, PRECISION)
     return u0, u1, u2, u3
 
 
@@ -381,7 +391,7 @@ def _decode_split_quant_kernel(
         K_RING: tl.constexpr, V_RING: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr,
         K_DOT: tl.constexpr, V_DOT: tl.constexpr, EXACT_DOT: tl.constexpr, K_PRESCALE: tl.constexpr,
         K_ASM: tl.constexpr, V_ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, IDS_AHEAD: tl.constexpr):
     # BLOCK_SIZE (the cache's, fixed for an engine) is a compile-time constant here: a position's
     # block and offset are then a shift and a mask, not an integer division per row and layout,
     # which dominated the loop's instructions. (`block_size`, the runtime twin, is unused.)
@@ -444,11 +454,15 @@ def _decode_split_quant_kernel(
         ring_from = tl.maximum(context_len - WINDOW, SINKS)
         quant_start = tl.maximum(start, SINKS)
         quant_end = tl.minimum(end, ring_from)
-    # Scales are 2-byte gathers the compiler does not pipeline; loaded in the iteration that uses
-    # them they would wait on a global-memory round trip each tile (after the block ids'). They run
-    # ahead instead: each iteration loads the next tile's scales from block ids it loaded one
-    # iteration earlier (scale_blocks: the next tile's; scale_blocks_after: the one after). The K/V
-    # tiles' own block ids and bytes are prefetched by the compiler's cp.async pipeline.
+    # Block ids run ahead of their use. Scales are 2-byte gathers the compiler does not pipeline;
+    # loaded in the iteration that uses them they would wait on a global-memory round trip each tile
+    # (after the block ids'). Each iteration loads the next tile's scales from block ids it loaded
+    # one iteration earlier (scale_blocks: the next tile's; scale_blocks_after: the one after).
+    # IDS_AHEAD: the tile's own block ids come from that run-ahead load too, so its payload loads
+    # wait on one global-memory round trip, not two. (The compiler's cp.async pipeline then leaves
+    # these loads alone; with in-loop block ids it takes them, but in Triton 3.6 with two stages it
+    # issues the next tile's copies at the end of the loop body, behind that tile's block-id load,
+    # and waits for them at the top of the next iteration: no overlap within a program either.)
     lanes = tl.arange(0, TILE)
     ahead = quant_start + lanes
     scale_blocks = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < quant_end, other=0)
@@ -460,19 +474,27 @@ def _decode_split_quant_kernel(
                                                              + kv_head * vs_stride_head)
     vs0, vs1, vs2, vs3 = _segment_scales(v_scales_ptr, vs_rows, ahead < quant_end, V_NSEG, V_SEG, V_GROUP, V_SCALED,
                                          TILE)
+    current_blocks = scale_blocks
     ahead = ahead + TILE
     scale_blocks = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < quant_end, other=0)
     for tile_start in range(quant_start, quant_end, TILE):
         positions = tile_start + lanes
         valid = positions < quant_end
-        blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offsets = positions % BLOCK_SIZE
-        if K_SCALED or V_SCALED:
+        if K_SCALED or V_SCALED or IDS_AHEAD:
             ahead = positions + 2 * TILE
             scale_blocks_after = tl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < quant_end, other=0)
             ahead = positions + TILE
             next_blocks = scale_blocks.to(tl.int64)
             next_offsets = ahead % BLOCK_SIZE
+        if IDS_AHEAD:
+            blocks = current_blocks.to(tl.int64)
+        else:
+            blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offsets = positions % BLOCK_SIZE
+        k_rows = blocks * k_stride_block + (offsets * k_stride_token + kv_head * k_stride_head)
+        kr0, kr1, kr2, kr3 = _load_chunks(k_ptr, k_rows, valid, K_FORMAT, K_NSEG, K_SEG)
+        v_rows = blocks * v_stride_block + (offsets * v_stride_token + kv_head * v_stride_head)
+        vr0, vr1, vr2, vr3 = _load_chunks(v_ptr, v_rows, valid, V_FORMAT, V_NSEG, V_SEG)
         if K_SCALED:
             ks_rows = next_blocks * ks_stride_block + (next_offsets * ks_stride_token + kv_head * ks_stride_head)
             nks0, nks1, nks2, nks3 = _segment_scales(k_scales_ptr, ks_rows, ahead < quant_end, K_NSEG, K_SEG, K_GROUP,
@@ -482,8 +504,7 @@ def _decode_split_quant_kernel(
             nvs0, nvs1, nvs2, nvs3 = _segment_scales(v_scales_ptr, vs_rows, ahead < quant_end, V_NSEG, V_SEG, V_GROUP,
                                                      V_SCALED, TILE)
 
-        k_rows = blocks * k_stride_block + (offsets * k_stride_token + kv_head * k_stride_head)
-        scores = _key_scores(q0, q1, q2, q3, k_ptr, k_rows, valid, ks0, ks1, ks2, ks3, K_FORMAT, K_NSEG, K_SEG,
+        scores = _key_scores(q0, q1, q2, q3, kr0, kr1, kr2, kr3, ks0, ks1, ks2, ks3, K_FORMAT, K_NSEG, K_SEG,
                              K_GROUP, HEAD_DIM, K_SCALED, K_DOT, K_ASM, PRECISION)
         scores = tl.where(valid[None, :], scores * key_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -491,8 +512,7 @@ def _decode_split_quant_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         running_max = new_max
-        v_rows = blocks * v_stride_block + (offsets * v_stride_token + kv_head * v_stride_head)
-        u0, u1, u2, u3 = _value_updates(probs, v_ptr, v_rows, valid, vs0, vs1, vs2, vs3, V_FORMAT, V_NSEG, V_SEG,
+        u0, u1, u2, u3 = _value_updates(probs, vr0, vr1, vr2, vr3, vs0, vs1, vs2, vs3, V_FORMAT, V_NSEG, V_SEG,
                                         V_GROUP, HEAD_DIM, V_SCALED, V_DOT, V_ASM, V_PURE, PRECISION)
         if V_STATIC:
             u0 = u0 * vs_static0
@@ -506,7 +526,9 @@ def _decode_split_quant_kernel(
             acc2 = acc2 * rescale[:, None] + u2
             acc3 = acc3 * rescale[:, None] + u3
 
-        if K_SCALED or V_SCALED:
+        if IDS_AHEAD:
+            current_blocks = scale_blocks
+        if K_SCALED or V_SCALED or IDS_AHEAD:
             scale_blocks = scale_blocks_after
         if K_SCALED:
             ks0 = nks0
@@ -771,13 +793,28 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 _quant_resident_per_sm: dict[tuple, int] = {}
 
 
-def default_quant_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The fast kernel's launch shape: decode_attention's, but for 16-bit queries a tile of 64
-    positions whatever the head size (its tiles hold codes, not 16-bit values)."""
+def default_quant_decode_config(head_dim: int, dtype: torch.dtype, int4: bool = False) -> DecodeConfig:
+    """The fast kernel's launch shape for 16-bit queries (decode_attention's otherwise).
+
+    Measured on an H200 at 32k context, batch 32, Qwen-7B attention (benchmarks/kv_quant_variants.py,
+    benchmarks/results/kv_quant_variants_h200.json): the loop is latency-bound, not bound by its
+    instruction count (it issues in ~40% of the cycles), so what pays is bytes per iteration and
+    programs per SM. Tiles of 128 positions under 4 warps (twice the bytes of 64: int8 0.50 -> 0.40
+    ms); block ids one iteration ahead, so the payload loads wait on one round trip, not two; and for
+    8-bit parts a cap of 128 registers (4 programs per SM instead of 3: 0.40 -> 0.38 ms). int4 parts
+    (`int4`: either part is int4) spill under that cap and ran slower with it (0.39 -> 0.43 ms); they
+    get 168, which keeps 3 programs per SM when a full-precision window's loop needs more (212
+    registers uncapped: 2 per SM, 0.53 ms)."""
     config = default_decode_config(head_dim, dtype)
     if interpreting() or dtype == torch.float32:
         return config
-    return replace(config, tile=64, num_warps=4, num_stages=2)
+    return replace(config, tile=128, num_warps=4, num_stages=2, ids_ahead=True,
+                   max_registers=168 if int4 else 128)
+
+
+def _fast_config(head_dim: int, dtype: torch.dtype, k_cache, v_cache) -> DecodeConfig:
+    int4 = any(not isinstance(c, torch.Tensor) and c.fmt.name == "int4" for c in (k_cache, v_cache))
+    return default_quant_decode_config(head_dim, dtype, int4)
 
 
 def _segments(cache, head_dim: int):
@@ -797,7 +834,7 @@ def _segments(cache, head_dim: int):
 def fast_kernel_supported(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None) -> bool:
     """Whether the fast kernel (segments, scales after the dots) serves these caches."""
     head_dim = query.shape[2]
-    config = config or default_quant_decode_config(head_dim, query.dtype)
+    config = config or _fast_config(head_dim, query.dtype, k_cache, v_cache)
     if head_dim < 16 or head_dim & (head_dim - 1) or not config.use_dot or config.tile < 16:
         return False
     if query.dtype not in _TL_DTYPES:
@@ -877,7 +914,7 @@ def decode_num_splits_quant(query: torch.Tensor, k_cache, v_cache, block_tables:
     ahead of a CUDA-graph capture, say): from the compiled kernel's occupancy once it has run."""
     head_dim = query.shape[2]
     fast = _use_fast(query, k_cache, v_cache, config, implementation)
-    config = config or (default_quant_decode_config(head_dim, query.dtype) if fast
+    config = config or (_fast_config(head_dim, query.dtype, k_cache, v_cache) if fast
                         else default_decode_config(head_dim, query.dtype))
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
@@ -917,7 +954,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
     if query.stride(2) != 1:
         query = query.contiguous()
     fast = _use_fast(query, k_cache, v_cache, config, implementation)
-    config = config or (default_quant_decode_config(head_dim, query.dtype) if fast
+    config = config or (_fast_config(head_dim, query.dtype, k_cache, v_cache) if fast
                         else default_decode_config(head_dim, query.dtype))
     use_asm = _use_asm(query, asm) and fast
     group = num_heads // num_kv_heads
@@ -965,9 +1002,11 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
                     SINKS=sinks, WINDOW=window, K_DOT=k_dot, V_DOT=v_dot,
                     EXACT_DOT=tl.float32 if interpret else query_dtype, K_PRESCALE=prescale,
                     K_ASM=_part_asm(k_cache, query, use_asm), V_ASM=_part_asm(v_cache, query, use_asm),
-                    V_PURE=value_staging != "fp16", BLOCK_SIZE=block_size,
+                    V_PURE=value_staging != "fp16", BLOCK_SIZE=block_size, IDS_AHEAD=config.ids_ahead,
                     PRECISION="ieee" if (query.dtype == torch.float32 or interpret) else "tf32",
                     num_warps=config.num_warps, num_stages=config.num_stages)
+        if config.max_registers:
+            meta["maxnreg"] = config.max_registers
     else:
         kernel = _decode_split_quant_generic_kernel
         scalars = (scale_log2,)
