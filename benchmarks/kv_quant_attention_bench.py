@@ -20,6 +20,7 @@ pipeline stages, value staging, PTX conversion) per format.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -203,9 +204,11 @@ def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int)
     from kvserve.engine.engine import Engine
     rows = []
     for fmt_name in formats:
+        # A fixed KV budget: the default (a fraction of free memory) would leave the next format's
+        # engine no room while this one's memory is still being released.
         engine = Engine.from_options(model=str(ROOT / "benchmarks" / "configs" / "r1-distill-qwen-7b"),
                                      load_format="dummy", max_num_seqs=batch, max_model_len=input_len + output_len,
-                                     **FORMATS[fmt_name])
+                                     kv_cache_memory=40 * 2**30, **FORMATS[fmt_name])
         bench_kvserve(engine, 1, 16, 4, 1, 0)
         point = bench_kvserve(engine, batch, input_len, output_len, 1, 0)
         rows.append({"format": fmt_name, "batch": batch, "input_len": input_len, "output_len": output_len,
@@ -214,6 +217,7 @@ def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int)
                      "kv_bytes_per_token": engine.kv_bytes_per_token})
         print(rows[-1], flush=True)
         del engine
+        gc.collect()
         torch.cuda.empty_cache()
     return rows
 

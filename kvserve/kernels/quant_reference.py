@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels import reference
 from kvserve.kvcache.quant import QuantizedKVCache
 
 
@@ -70,12 +71,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache, v_cache, block_tables: 
 def paged_prefill_attention(query: torch.Tensor, k_cache, v_cache, context_slots: torch.Tensor,
                             scale: float, row: int = -1) -> torch.Tensor:
     """A chunk of Q queries, the last Q of a C-token cached context: query i sees positions <= C-Q+i."""
-    num_queries, context_len = query.shape[0], context_slots.shape[0]
-    keys = gather_slots_part(k_cache, context_slots, row, query.dtype).transpose(0, 1).unsqueeze(0)
-    values = gather_slots_part(v_cache, context_slots, row, query.dtype).transpose(0, 1).unsqueeze(0)
-    query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
-    key_pos = torch.arange(context_len, device=query.device)
-    mask = key_pos[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys, values,
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+    keys = gather_slots_part(k_cache, context_slots, row, query.dtype)
+    values = gather_slots_part(v_cache, context_slots, row, query.dtype)
+    return reference.context_attention(query, keys, values, scale)
