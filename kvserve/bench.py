@@ -39,9 +39,9 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list
     return torch.randint(low, vocab_size, (num, input_len), generator=generator).tolist()
 
 
-def _cpu_fma_gflops() -> Optional[float]:
+def _cpu_fma_gflops() -> Optional[list[float]]:
     from kvserve.kernels import cpu as cpu_kernels
-    return cpu_kernels.fma_gflops(0.25)
+    return cpu_kernels.fma_gflops_by_thread(0.25)
 
 
 def _sync(device: torch.device) -> None:
@@ -80,8 +80,10 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
              "preemptions": engine.scheduler.num_preemptions_total,
              "runs_s": [round(t, 4) for t in times]}
     if any(c is not None for c in calibration):
-        # Each run's compute next to its time: this VM's cores drift by a third within minutes.
-        extra["cpu_fma_gflops_before_runs"] = calibration
+        # Each run's compute next to its time: this VM's cores drift by a third within minutes, and
+        # not always alike, so each thread's rate too.
+        extra["cpu_fma_gflops_before_runs"] = [round(sum(c), 1) if c else None for c in calibration]
+        extra["cpu_fma_gflops_by_thread_before_runs"] = calibration
     expert_load = engine.expert_load()
     if expert_load is not None:
         extra["expert_load"] = expert_load.as_dict()

@@ -166,3 +166,15 @@ def test_argmax_rows_matches_torch_including_ties_and_nan():
     assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(dim=-1))
     with pytest.raises(ValueError, match="2-D fp32"):
         cpu_kernels.argmax_rows(logits.double())
+
+
+def test_fma_probe_reports_each_thread():
+    """kvserve bench records each thread's FMA rate beside every CPU run (the VM's cores differ at
+    times, which the total hides)."""
+    rates = cpu_kernels.fma_gflops_by_thread(0.05)
+    if rates is None:
+        pytest.skip("no AVX2: the probe has no vector loop to time")
+    assert len(rates) == torch.get_num_threads()
+    assert all(rate > 0 for rate in rates)
+    total = cpu_kernels.fma_gflops(0.05)
+    assert total is not None and total > 0

@@ -100,7 +100,7 @@ def _library() -> ctypes.CDLL | None:
     library.kvs_llama_workspace.restype = _i64
     library.kvs_llama_workspace.argtypes = [ctypes.POINTER(ModelDims), _i64, _i64]
     library.kvs_fma_gflops.restype = ctypes.c_double
-    library.kvs_fma_gflops.argtypes = [ctypes.c_double]
+    library.kvs_fma_gflops.argtypes = [ctypes.c_double, _p, ctypes.c_int32]
     library.kvs_llama_forward.restype = ctypes.c_int
     library.kvs_llama_forward.argtypes = ([ctypes.POINTER(ModelDims), ctypes.POINTER(LayerPointers), _p, _p, _p, _i64]
                                           + [_p] * 6 + [_i64, _p, _i64])
@@ -201,10 +201,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def fma_gflops(seconds: float = 0.2) -> float | None:
     """GFLOP/s of a register-only FMA loop on every thread of torch's pool, now (None without the
     kernels or AVX2): the machine's compute right now, to state beside a CPU benchmark's figure."""
+    rates = fma_gflops_by_thread(seconds)
+    return round(sum(rates), 1) if rates else None
+
+
+def fma_gflops_by_thread(seconds: float = 0.2) -> list[float] | None:
+    """fma_gflops per thread of the pool (its threads run the loop at once): on a VM whose cores
+    run at different speeds at times, the slowest one bounds a statically split kernel."""
     if not available():
         return None
-    measured = library().kvs_fma_gflops(seconds)
-    return round(measured, 1) if measured > 0 else None
+    threads = torch.get_num_threads()
+    rates = (ctypes.c_double * threads)()
+    total = library().kvs_fma_gflops(seconds, rates, threads)
+    return [round(rate, 1) for rate in rates] if total > 0 else None
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -831,7 +831,7 @@ static double wall_seconds(void) {
 }
 #endif
 
-double kvs_fma_gflops(double seconds) {
+double kvs_fma_gflops(double seconds, double *per_thread, int32_t capacity) {
 #ifdef KVS_AVX2
     double flops = 0.0;
     const double started = wall_seconds();
@@ -841,6 +841,7 @@ double kvs_fma_gflops(double seconds) {
         __m256 a0 = _mm256_set1_ps(0.5f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
                a9 = a0;
         const __m256 m = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(0.0005f);
+        double mine = 0.0;
         do {
             for (int i = 0; i < 100000; i++) {
 #define KVS_CHAIN(x) x = _mm256_fmadd_ps(x, m, c);
@@ -850,14 +851,20 @@ double kvs_fma_gflops(double seconds) {
                 __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7),
                                  "+x"(a8), "+x"(a9));
             }
-            flops += 100000.0 * 10 * 16;
+            mine += 100000.0 * 10 * 16;
         } while (wall_seconds() - started < seconds);
         volatile float sink = _mm256_cvtss_f32(_mm256_add_ps(_mm256_add_ps(a0, a5), a9));
         (void)sink;
+        flops += mine;
+        /* Each thread's own rate: this VM's cores differ at times, which a total hides. */
+        const int rank = TEAM_RANK();
+        if (per_thread && rank < capacity) per_thread[rank] = mine / (wall_seconds() - started) / 1e9;
     }
     return flops / (wall_seconds() - started) / 1e9;
 #else
     (void)seconds;
+    (void)per_thread;
+    (void)capacity;
     return 0.0;
 #endif
 }
