@@ -31,9 +31,9 @@ The cache block size is a compile-time constant (a position's block and offset a
 mask, not an integer division per row and register layout), and the 2-byte scale gathers run one
 tile ahead of their use from block ids loaded one tile earlier still; by default (`ids_ahead`) the
 payload loads take their block ids from that run-ahead load too, so each tile waits on one
-global-memory round trip, not two. The loop is latency-bound (it issues in ~40% of the cycles at
-32k context on an H200), so the default launch buys bytes per iteration (tiles of 128 positions)
-and programs per SM (a register cap for 8-bit parts): see default_quant_decode_config.
+global-memory round trip, not two. The loop is latency-bound (by our count it issues in ~40% of the
+cycles at 32k context on an H200), so the default launch buys bytes per iteration (tiles of 128
+positions) and programs per SM (a register cap for 8-bit parts): see default_quant_decode_config.
 Positions that a part's full-precision window holds (sinks and the most recent tokens,
 kvserve.kvcache.quant) are not in the quantized loop: each split runs its quantized positions,
 then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
