@@ -63,10 +63,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Causal attention of a prompt chunk that has no cached prefix: q/k/v [T, heads, D]."""
-    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), key.transpose(0, 1).unsqueeze(0),
-                                         value.transpose(0, 1).unsqueeze(0), is_causal=True,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(0).transpose(0, 1)
+    return context_attention(query, key, value, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -69,7 +69,6 @@ class DecodeConfig:
     # ahead (with its scales'), and a cap on registers per thread (more programs per SM).
     ids_ahead: bool = False
     max_registers: int | None = None
-    max_registers: int | None = None
 
 
 def default_decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
