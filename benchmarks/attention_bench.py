@@ -206,7 +206,7 @@ def sweep_section(args, copy_bw: float) -> list[dict]:
     generator = torch.Generator(device=DEVICE)
     generator.manual_seed(1)
     results = []
-    for shape in SWEEP_SHAPES:
+    for shape in args.sweep_shapes or SWEEP_SHAPES:
         results += sweep_one_shape(args, shape, copy_bw, generator)
         torch.cuda.empty_cache()
     return results
@@ -353,7 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the decode config sweep")
     parser.add_argument("--no-prefill", action="store_true", help="skip the prefill comparison")
     parser.add_argument("--quick", action="store_true", help="contexts 4096,32768, batches 1,8,64, no sweep")
+    parser.add_argument("--sweep-shapes", default=None,
+                        help="the sweep's shapes instead of the built-in ones: label:heads:kv_heads:head_dim:batch:context,...")
+    parser.add_argument("--sweep-only", action="store_true", help="only the decode config sweep")
     args = parser.parse_args(argv)
+    if args.sweep_shapes:
+        args.sweep_shapes = [(label, *map(int, rest)) for label, *rest in
+                             (spec.split(":") for spec in args.sweep_shapes.split(","))]
     if args.quick:
         args.contexts, args.batch_sizes, args.no_sweep = "4096,32768", "1,8,64", True
     args.contexts = [int(x) for x in args.contexts.split(",")]
@@ -373,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     result["copy"] = copy
     copy_bw = copy["bandwidth_bytes_per_s"]
     print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write of {copy['bytes_copied'] / GIB:.0f} GiB)")
+    if args.sweep_only:
+        args.no_prefill = True
+        print("\ndecode config sweep")
+        result["sweep"] = sweep_section(args, copy_bw)
+        return _finish(args, result, started)
     print(f"\ndecode attention, {args.heads}/{args.kv_heads} heads, head_dim {args.head_dim}, {args.dtype}, "
           f"block {args.block_size}: KV bytes read / time (%cp = share of the copy bandwidth)")
     print(DECODE_HEADER)
@@ -386,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_prefill:
         print("\nprefill attention (Triton varlen paged kernel vs SDPA / torch reference)")
         result["prefill"] = prefill_section(args)
+    return _finish(args, result, started)
+
+
+def _finish(args, result: dict, started: float) -> int:
     result["wall_s"] = time.perf_counter() - started
     print(f"\ndone in {result['wall_s']:.0f} s")
     if args.json:

@@ -77,6 +77,64 @@ def run_throughput(engine: Engine, args) -> dict:
             "preemptions": engine.scheduler.num_preemptions_total}
 
 
+def run_timeline(engine: Engine, args) -> dict:
+    """The same workload again, the device synchronized after every step: each step's composition
+    (prompt tokens, decode rows) and its own wall time. Slower than the throughput pass (no overlap of
+    the host's work with the device's); it says where that pass's time goes, by kind of step."""
+    prompt_lens, output_lens = chat_like_lengths(args.num_requests, args.seed, args.prompt_median,
+                                                 args.output_median, args.max_prompt, args.max_output)
+    rng = np.random.default_rng(args.seed + 3)     # other prompts than the throughput pass: no prefix hits
+    vocab = engine.model.config.vocab_size
+    for prompt_len, output_len in zip(prompt_lens, output_lens):
+        engine.add_request(None, {"prompt_token_ids": rng.integers(0, vocab, int(prompt_len)).tolist()},
+                           SamplingParams(max_tokens=int(output_len), temperature=0.0, ignore_eos=True,
+                                          output_kind="final_only"))
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        prefill = sum(item.num_new_tokens for item in out.scheduled
+                      if item.request.num_computed_tokens < item.request.num_prompt_tokens)
+        steps.append({"tokens": out.num_batched_tokens, "prefill_tokens": prefill, "rows": len(out.scheduled),
+                      "context_tokens": sum(item.request.num_computed_tokens for item in out.scheduled)})
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    try:
+        times = []
+        _sync(engine)
+        while engine.has_unfinished_requests():
+            started = time.perf_counter()
+            engine.step()
+            _sync(engine)
+            times.append(time.perf_counter() - started)
+    finally:
+        engine.scheduler.schedule = schedule
+    # With overlapped scheduling a step's schedule() runs one step ahead of its execution; pair them
+    # by order (the counts are what matter).
+    steps = steps[:len(times)]
+    for step, seconds in zip(steps, times):
+        step["ms"] = round(seconds * 1e3, 3)
+    with_prefill = [s for s in steps if s["prefill_tokens"]]
+    decode = [s for s in steps if not s["prefill_tokens"] and s["rows"]]
+    buckets = {}
+    for step in decode:
+        bucket = min(1024, 1 << max(0, (step["rows"] - 1).bit_length()))
+        entry = buckets.setdefault(bucket, {"steps": 0, "seconds": 0.0, "tokens": 0})
+        entry["steps"] += 1
+        entry["seconds"] += step["ms"] / 1e3
+        entry["tokens"] += step["rows"]
+    return {"seconds": round(sum(times), 3), "steps": len(times),
+            "prefill_steps": len(with_prefill),
+            "prefill_step_seconds": round(sum(s["ms"] for s in with_prefill) / 1e3, 3),
+            "prefill_step_tokens": sum(s["tokens"] for s in with_prefill),
+            "decode_steps": len(decode), "decode_seconds": round(sum(s["ms"] for s in decode) / 1e3, 3),
+            "decode_by_rows_up_to": {str(k): {"steps": v["steps"], "seconds": round(v["seconds"], 3),
+                                             "tokens": v["tokens"]} for k, v in sorted(buckets.items())},
+            "steps_detail": steps}
+
+
 def run_overhead(engine: Engine, args) -> dict:
     rng = np.random.default_rng(args.seed + 2)
     vocab = engine.model.config.vocab_size
@@ -130,6 +188,8 @@ def main() -> None:
     parser.add_argument("--overhead-prompt", type=int, default=512)
     parser.add_argument("--overhead-steps", type=int, default=20)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also rerun the workload with a device sync after every step and record each step")
     parser.add_argument("--json", default=None)
     add_engine_args(parser)
     args = parser.parse_args()
@@ -143,6 +203,9 @@ def main() -> None:
     if not args.skip_throughput:
         result["throughput"] = run_throughput(engine, args)
         print(json.dumps(result["throughput"]))
+    if args.timeline:
+        result["timeline"] = run_timeline(engine, args)
+        print(json.dumps({k: v for k, v in result["timeline"].items() if k != "steps_detail"}))
     result["overhead"] = run_overhead(engine, args)
     print(json.dumps(result["overhead"]))
     if args.json:

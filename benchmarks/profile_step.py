@@ -28,9 +28,13 @@ def main() -> None:
     parser.add_argument("--output-kind", default="cumulative", choices=("cumulative", "final_only"),
                         help="final_only as `kvserve bench` (outputs only at the end), cumulative as the server")
     parser.add_argument("--trace", default=None, help="also write the torch.profiler window as a Chrome trace here")
+    parser.add_argument("--phase", default="decode", choices=("decode", "prefill"))
     add_engine_args(parser)
     args = parser.parse_args()
     engine = Engine.from_options(**engine_options_from_args(args))
+    if args.phase == "prefill":
+        profile_prefill(engine, args)
+        return
     params = SamplingParams(max_tokens=args.steps * 2 + 20, temperature=0.0, ignore_eos=True,
                             output_kind=args.output_kind)
     for prompt in random_prompts(args.batch_size, args.input_len, engine.model.config.vocab_size, 0):
@@ -68,6 +72,42 @@ def main() -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25))
     if args.trace:
         prof.export_chrome_trace(args.trace)
+
+
+def _prefill(engine: Engine, args, seed: int) -> int:
+    """Adds a batch and steps until every prompt is computed; aborts the batch; returns the steps."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, output_kind="final_only")
+    ids = [engine.add_request(None, {"prompt_token_ids": prompt}, params)
+           for prompt in random_prompts(args.batch_size, args.input_len, engine.model.config.vocab_size, seed)]
+    steps = 0
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return steps
+
+
+def profile_prefill(engine: Engine, args) -> None:
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    _prefill(engine, args, seed=0)
+    sync()
+    started = time.perf_counter()
+    steps = _prefill(engine, args, seed=1)
+    sync()
+    seconds = time.perf_counter() - started
+    tokens = args.batch_size * args.input_len
+    print(f"prefill: {tokens} tokens in {steps} steps, {seconds:.3f} s, {tokens / seconds:.0f} tok/s")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        _prefill(engine, args, seed=2)
+        sync()
+    sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
 if __name__ == "__main__":

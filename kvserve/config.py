@@ -36,7 +36,7 @@ class ModelConfig:
     attention_backend: str = _opt("auto", "auto (triton on CUDA when importable; on CPU the native C forward "
                                           "when the model allows, else torch), triton, native or torch",
                                   choices=("auto", "triton", "native", "torch"))
-    gemv_max_tokens: int = _opt(8, "CUDA: steps of at most this many tokens run the linear layers through "
+    gemv_max_tokens: int = _opt(16, "CUDA: steps of at most this many tokens run the linear layers through "
                                    "kvserve's Triton skinny GEMM (and SwiGLU's activation fused into it) "
                                    "instead of cuBLAS; 0: always cuBLAS (at most 16)")
     moe_implementation: str = _opt("auto", "MoE experts (DeepSeek): grouped (all experts in grouped GEMMs), loop "

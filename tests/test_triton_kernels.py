@@ -266,8 +266,8 @@ def test_paged_decode_padding_rows_are_zero():
 
 
 def test_choose_num_splits_fills_whole_waves(monkeypatch):
-    """Host heuristic: on an H200-like GPU (132 SMs, 5 programs resident per SM = 660 slots) the
-    split count fills whole waves and is bounded by the context."""
+    """Host heuristic: on an H200-like GPU (132 SMs, 5 programs resident per SM = 660 slots) one
+    split from 3/4 of the slots on; below, the split count fills whole waves, bounded by the context."""
     from kvserve.kernels.triton import decode_attention
     monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     config = decode_attention.DecodeConfig(tile=64, min_split_tokens=128)
@@ -280,6 +280,8 @@ def test_choose_num_splits_fills_whole_waves(monkeypatch):
     assert splits(1, 4096) == 32              # underfilled: as many 128-token splits as the context has
     assert splits(8, 100) == 1                # one split covers the whole context
     assert splits(1024, 4096) == 1            # many waves already
+    assert splits(128, 131072) == 1           # 512 programs, 0.78 of the slots: enough to stream
+    assert splits(96, 8192) == 5              # 384 programs (0.58): 1920 in 2.9 waves
     for batch, context_len in ((3, 1000), (17, 40000), (64, 129)):
         num_splits = splits(batch, context_len)
         assert 1 <= num_splits <= decode_attention.MAX_SPLITS

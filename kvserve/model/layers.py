@@ -57,7 +57,7 @@ def fused_kernels(enabled: bool) -> Iterator[None]:
 
 # Steps of at most this many tokens run the linear layers through the Triton skinny GEMM on CUDA
 # (kvserve/kernels/triton/gemv.py); larger ones through cuBLAS. Set from the engine's `gemv_max_tokens`.
-_gemv_max_rows = 8
+_gemv_max_rows = 16
 
 
 def configure_gemv(max_rows: int) -> None:

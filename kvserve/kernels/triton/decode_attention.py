@@ -56,6 +56,13 @@ DEFAULT_RESIDENT_PER_SM = 4
 # A split count is good enough when its wave efficiency is within this factor of the best one; the
 # smallest such count wins (fewer partial results to write and combine).
 WAVE_EFFICIENCY_SLACK = 0.9
+# From this share of the resident slots on, one split per (sequence, KV head): that many programs
+# already stream at the copy bandwidth, and splitting only adds partials, a combine and a second
+# wave. Measured on an H200 (benchmarks/results/gpu_h200_attention_split_sweep_session9.json, 660
+# slots): 512 programs (0.78) ran 1 split in 79.6 / 141.1 / 264.7 / 513.6 us at contexts 1k / 2k /
+# 4k / 8k against 89.5 / 153.4 / 273.8 / 515.3 us for the wave-filling choice; at 384 programs
+# (0.58) the wave-filling 5 splits won from 4k on (209.6 vs 214.5 us), one split below.
+SINGLE_SPLIT_FILL = 0.75
 
 
 @dataclass(frozen=True)
@@ -95,13 +102,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, devic
                       config: DecodeConfig | None = None, resident_per_sm: int | None = None) -> int:
     """Splits per (sequence, KV head), from host values that a CUDA graph fixes at capture.
 
-    The split kernel's programs all do about the same work, so time goes in waves of
-    `resident_per_sm * SMs` programs: a last wave that is mostly empty wastes bandwidth (64
-    sequences x 4 KV heads x 3 splits = 768 programs on 660 slots ran at 78% of the copy bandwidth on
-    an H200, 32 x 4 x 5 = 640 at 102%). Among split counts whose splits are at least
-    min_split_tokens long at `max_context_len`, take the smallest whose wave efficiency
-    (waves / ceil(waves)) is within WAVE_EFFICIENCY_SLACK of the best; below one wave, efficiency
-    grows with the split count, so an underfilled GPU gets as many splits as the context allows.
+    With SINGLE_SPLIT_FILL of the slots or more programs unsplit, one split. Below that, the split
+    kernel's programs all do about the same work, so time goes in waves of `resident_per_sm * SMs`
+    programs: a last wave that is mostly empty wastes bandwidth (64 sequences x 4 KV heads x 3
+    splits = 768 programs on 660 slots ran at 78% of the copy bandwidth on an H200, 32 x 4 x 5 = 640
+    at 102%). Among split counts whose splits are at least min_split_tokens long at
+    `max_context_len`, take the smallest whose wave efficiency (waves / ceil(waves)) is within
+    WAVE_EFFICIENCY_SLACK of the best; below one wave, efficiency grows with the split count, so an
+    underfilled GPU gets as many splits as the context allows.
     """
     config = config or DecodeConfig()
     slots = (resident_per_sm or DEFAULT_RESIDENT_PER_SM) * num_sms(device)
@@ -110,7 +118,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, devic
 
 @functools.lru_cache(maxsize=4096)         # called per layer and step with the same arguments
 def _choose_num_splits(programs: int, max_context_len: int, slots: int, config: DecodeConfig) -> int:
-    if programs >= 4 * slots:             # many waves already: quantisation is small
+    if programs >= SINGLE_SPLIT_FILL * slots:
         return 1
     candidates = []                        # (num_splits, wave efficiency)
     previous_active = 0
