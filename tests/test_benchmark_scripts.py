@@ -1,0 +1,35 @@
+"""The diagnostic passes of the benchmark scripts, run on a tiny random model: they must account for
+every step and every request, since their figures end up in benchmarks/results/."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from conftest import TEST_DEVICE
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+
+def test_offline_timeline_accounts_for_every_step_and_token(tiny_checkpoint):
+    import offline_throughput
+    from kvserve.engine.engine import Engine
+    folder, _ = tiny_checkpoint
+    engine = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20,
+                                 max_num_batched_tokens=64, max_num_seqs=8)
+    args = argparse.Namespace(num_requests=12, seed=0, prompt_median=30, output_median=6, max_prompt=80,
+                              max_output=12)
+    timeline = offline_throughput.run_timeline(engine, args)
+    prompts, outputs = offline_throughput.chat_like_lengths(12, 0, 30, 6, 80, 12)
+    steps = timeline["steps_detail"]
+    assert timeline["steps"] == len(steps) > 0
+    # Every prompt token is computed in some step (no prefix hits: the prompts are random), and the
+    # decode rows plus the steps that finish a prompt produce every output token.
+    assert sum(step["prefill_tokens"] for step in steps) == int(prompts.sum())
+    assert sum(step["tokens"] for step in steps) == int(prompts.sum()) + int(outputs.sum()) - len(outputs)
+    assert timeline["prefill_steps"] + timeline["decode_steps"] == len(steps)
+    assert sum(bucket["tokens"] for bucket in timeline["decode_by_rows_up_to"].values()) \
+        == sum(step["rows"] for step in steps if not step["prefill_tokens"])
+    assert all(step["tokens"] <= 64 and step["rows"] <= 8 and step["ms"] > 0 for step in steps)
+    assert not engine.has_unfinished_requests() and engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
