@@ -18,8 +18,9 @@ Design (flash-decoding, GQA-aware):
   partial output and its log-sum-exp; a second kernel combines the active splits. With one split
   the first kernel writes the output directly and the second is not launched (a runtime flag, so
   the same compiled kernel serves both).
-- The split count fills the GPU in whole waves (see choose_num_splits), using the occupancy of the
-  compiled kernel once it has run.
+- The split count (see choose_num_splits) is 1 once the unsplit programs fill 3/4 of the GPU's
+  resident slots, and below that fills the GPU in whole waves, using the occupancy of the compiled
+  kernel once it has run.
 - CUDA-graph safe: the grid is (batch, kv_heads, num_splits), where num_splits comes from host
   values fixed for a captured graph (batch, kv heads, an upper bound of the context length: by
   default the block table's width). Context lengths and block tables are read on the device only;

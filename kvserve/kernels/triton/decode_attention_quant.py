@@ -2,7 +2,7 @@
 
 Reference: `kvserve.kernels.quant_reference.paged_decode_attention`. Same grid and split-KV scheme as
 decode_attention.py (batch x kv_heads x splits, the GQA group served from one K/V tile load, online
-softmax in fp32, the same combine kernel and wave-filling split heuristic), with each part (K, V)
+softmax in fp32, the same combine kernel and split heuristic), with each part (K, V)
 read in its own format.
 
 Fast kernel (`_decode_split_quant_kernel`; head_dim a power of 2, scale groups of >= 16 elements):
