@@ -20,6 +20,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import cpu as cpu_kernels
+from kvserve.kernels.cpu import hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,11 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 class NativeLinear(nn.Module):
     """y = x W^T + b with W packed for kvserve.kernels.cpu.linear; fp32 in, fp32 out."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bf16: bool,
+                 destination: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed_weight", cpu_kernels.pack_weight(weight, bf16), persistent=False)
+        self.register_buffer("packed_weight", cpu_kernels.pack_weight(weight, bf16, destination), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +68,14 @@ def pack_model(model: nn.Module, dtype: torch.dtype) -> None:
     """Replaces the model's linears by NativeLinear (idempotent). A tied lm_head gets its own packed
     copy; the embedding keeps its dense table for lookups."""
     bf16 = dtype == torch.bfloat16
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, NativeLinear(child.weight, child.bias, bf16))
+    linears = [(parent, name, child) for parent in list(model.modules())
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    # All packed weights in one huge-page buffer (kernels/cpu/hugepages.py: each decode step streams
+    # them all), each packed straight into its place.
+    destinations = hugepages.views([(cpu_kernels.packed_shape(*child.weight.shape),
+                                     torch.bfloat16 if bf16 else torch.float32) for _, _, child in linears])
+    for (parent, name, child), destination in zip(linears, destinations):
+        setattr(parent, name, NativeLinear(child.weight, child.bias, bf16, destination))
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -119,8 +119,14 @@ def library() -> ctypes.CDLL:
 
 
 # --- packed weights and the GEMM -------------------------------------------------------------------
-def pack_weight(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N/16), K, 16] (zero-padded), fp32 or bf16 in the kernel's column order."""
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """Shape of pack_weight's result for an [out_features, in_features] weight."""
+    return -(-out_features // PANEL), in_features, PANEL
+
+
+def pack_weight(weight: torch.Tensor, bf16: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N/16), K, 16] (zero-padded), fp32 or bf16 in the kernel's column order;
+    written into `out` (contiguous, packed_shape, that dtype) when given."""
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
     padded = torch.zeros(panels * PANEL, in_features, dtype=torch.float32)
@@ -128,7 +134,11 @@ def pack_weight(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
     packed = padded.view(panels, PANEL, in_features).transpose(1, 2)     # [P, K, 16]
     if bf16:
         packed = packed[:, :, _BF16_PANEL_ORDER].to(torch.bfloat16)
-    return packed.contiguous()
+    if out is None:
+        return packed.contiguous()
+    if out.shape != packed.shape or out.dtype != packed.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(packed.shape)} {packed.dtype} tensor")
+    return out.copy_(packed)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
