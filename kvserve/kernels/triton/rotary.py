@@ -130,9 +130,10 @@ def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> to
         half = head_dim // 2
         heads_block, half_block = min(HEADS_PER_PROGRAM, next_power_of_2(num_heads)), next_power_of_2(half)
         pdl = pdl_enabled(qk.device)
-        _rotary_kernel[(num_tokens, -(-num_heads // heads_block))](qk, cos, sin, k_cache, v_cache, slots, qk.stride(0), qk.stride(1), cos.stride(0),
-                                      num_heads, num_q_heads, k_cache.stride(1) if store else 0,
-                                      k_cache.stride(2) if store else 0, HALF=half, HEADS_BLOCK=heads_block,
-                                      HALF_BLOCK=half_block, STORE=store is not None, PDL=pdl,
-                                      num_warps=_num_warps(heads_block * half_block), launch_pdl=pdl)
+        grid = (num_tokens, -(-num_heads // heads_block))
+        _rotary_kernel[grid](qk, cos, sin, k_cache, v_cache, slots, qk.stride(0), qk.stride(1), cos.stride(0),
+                             num_heads, num_q_heads, k_cache.stride(1) if store else 0,
+                             k_cache.stride(2) if store else 0, HALF=half, HEADS_BLOCK=heads_block,
+                             HALF_BLOCK=half_block, STORE=store is not None, PDL=pdl,
+                             num_warps=_num_warps(heads_block * half_block), launch_pdl=pdl)
     return qk
