@@ -380,7 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy["bandwidth_bytes_per_s"]
     print(f"device copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read + write of {copy['bytes_copied'] / GIB:.0f} GiB)")
     if args.sweep_only:
-        args.no_prefill = True
         print("\ndecode config sweep")
         result["sweep"] = sweep_section(args, copy_bw)
         return _finish(args, result, started)
