@@ -96,7 +96,7 @@ def resources(compiled, sass_mix: bool = False) -> dict:
 
 
 def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_registers: int | None,
-                 window: bool, group: int, sass_mix: bool) -> dict:
+                 window: bool, group: int, sass_mix: bool, num_stages: int = 2) -> dict:
     """The fused-dequant decode kernel for Qwen-7B attention (28/4/128), bf16 queries, both parts in
     `fmt` (int8, fp8_e4m3, int4), blocks of 16, as paged_decode_attention_quant launches it."""
     import triton.language as tl
@@ -133,7 +133,7 @@ def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_regis
                   ring_stride_token=kv_heads * head_dim, ring_stride_head=head_dim)
     compiled = compile_for_target(_decode_split_quant_kernel, pointers, constexprs, values,
                                   float_args=("scale_log2", "key_scale_log2"),
-                                  dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS), num_warps=num_warps, num_stages=2,
+                                  dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS), num_warps=num_warps, num_stages=num_stages,
                                   max_registers=max_registers)
     return resources(compiled, sass_mix)
 
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_argument("--group", type=int, default=0, help="scale group (default: 32 for int4, per token else)")
     quant.add_argument("--tile", type=int, default=128)
     quant.add_argument("--num-warps", type=int, default=4)
+    quant.add_argument("--num-stages", type=int, default=2)
     quant.add_argument("--ids-ahead", action="store_true")
     quant.add_argument("--max-registers", type=int, default=None)
     quant.add_argument("--window", action="store_true", help="a 128-token full-precision window and 4 sinks")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs triton", file=sys.stderr)
         return 1
     report = quant_decode(args.format, args.tile, args.num_warps, args.ids_ahead, args.max_registers, args.window,
-                          args.group, args.sass_mix)
+                          args.group, args.sass_mix, args.num_stages)
     for key, value in report.items():
         print(f"{key}: {value}")
     return 0

@@ -107,9 +107,10 @@ def quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query
 
 
 def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, block_size: int,
-              launch: dict | None = None) -> dict:
+              launch: dict | None = None, implementation: str = "auto", pipelined: tuple[int, int] | None = None) -> dict:
     """One (shape, format) point; `launch` (tile, num_warps, num_stages, value_staging, asm) overrides
-    the quantized kernel's default launch."""
+    the fast Triton kernel's default launch, `pipelined` (tile, stages) the pipelined kernel's;
+    `implementation` picks the quantized kernel (auto: what the engine runs)."""
     from kvserve.kernels.triton import paged_decode_attention, store_kv
     from kvserve.kernels.triton.decode_attention import decode_num_splits, decode_workspace
     from kvserve.kernels.triton.kv_store_quant import store_quantized
@@ -118,15 +119,25 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
     heads, kv_heads, head_dim = SHAPES[shape_name]
     scale = head_dim ** -0.5
     quantized = not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor))
+    kernel = "bf16"
     if quantized:
-        options = {}
-        if launch:
+        from kvserve.kernels.triton.decode_attention_quant import quant_decode_kernel
+        options = {"implementation": implementation}
+        if pipelined:
+            from dataclasses import replace
+
+            from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_config
+            options.update(config=replace(pipelined_config(), tile=pipelined[0], num_stages=pipelined[1],
+                                          max_registers=pipelined[2] if len(pipelined) > 2 else None),
+                           implementation="pipelined")
+        elif launch:
             from dataclasses import replace
 
             from kvserve.kernels.triton.decode_attention_quant import default_quant_decode_config
             options = dict(config=replace(default_quant_decode_config(head_dim, query.dtype), tile=launch["tile"],
                                           num_warps=launch["num_warps"], num_stages=launch["num_stages"]),
-                           value_staging=launch["value_staging"], asm=launch["asm"])
+                           value_staging=launch["value_staging"], asm=launch["asm"], implementation="fast")
+        kernel = quant_decode_kernel(query, k_cache, v_cache, options.get("config"), options["implementation"])
         attention_ms, num_splits = quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query,
                                                       **options)
     else:
@@ -155,7 +166,9 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
     store_ms = bench_graphed(store)
     kv_bytes = batch * context_len * spec.bytes_per_token
     return {"shape": shape_name, "format": fmt_name, "context_len": context_len, "batch": batch,
-            "num_splits": num_splits, "launch": launch or "default", "bytes_per_token_per_layer": spec.bytes_per_token,
+            "kernel": kernel, "num_splits": num_splits,
+            "launch": launch or (f"tile {pipelined[0]}, {pipelined[1]} stages"
+                                 + (f", {pipelined[2]} regs" if len(pipelined) > 2 else "") if pipelined else "default"), "bytes_per_token_per_layer": spec.bytes_per_token,
             "attention_ms": round(attention_ms, 4), "store_ms": round(store_ms, 4),
             "kv_gb_per_s": round(kv_bytes / attention_ms / 1e6, 1)}
 
@@ -199,7 +212,8 @@ def sweep_section(shapes: list[str], formats: list[str], context_len: int, batch
 
 
 def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int) -> list[dict]:
-    """Engine decode tok/s with dummy R1-Distill-Qwen-7B weights, per KV format."""
+    """Engine tok/s with dummy R1-Distill-Qwen-7B weights, per KV format: the whole run (prefill
+    included) and its decode steps alone (the run minus the same prompts' prefill and first token)."""
     from kvserve.bench import bench_kvserve
     from kvserve.engine.engine import Engine
     rows = []
@@ -211,8 +225,14 @@ def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int)
                                      kv_cache_memory=40 * 2**30, **FORMATS[fmt_name])
         bench_kvserve(engine, 1, 16, 4, 1, 0)
         point = bench_kvserve(engine, batch, input_len, output_len, 1, 0)
+        # As much prefill with one new token (other prompts: a prefix-cache hit would skip it): the
+        # difference is the decode steps alone.
+        prefill = bench_kvserve(engine, batch, input_len, 1, 1, 1)
+        decode_s = point.seconds - prefill.seconds
         rows.append({"format": fmt_name, "batch": batch, "input_len": input_len, "output_len": output_len,
                      "output_tokens_per_s": round(point.output_tokens_per_s, 1), "seconds": round(point.seconds, 3),
+                     "prefill_and_first_token_s": round(prefill.seconds, 3),
+                     "decode_tokens_per_s": round(batch * (output_len - 1) / decode_s, 1),
                      "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
                      "kv_bytes_per_token": engine.kv_bytes_per_token})
         print(rows[-1], flush=True)
@@ -237,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time launch variants of the quantized kernel")
     parser.add_argument("--launch-from", default=None,
                         help="a --sweep JSON: each format runs with its fastest launch there (any shape)")
+    parser.add_argument("--implementation", default="auto", choices=["auto", "pipelined", "fast"],
+                        help="the quantized kernel (auto: the engine's choice)")
+    parser.add_argument("--pipelined-launches", default="",
+                        help="also time the pipelined kernel at these TILE:STAGES[:MAX_REGISTERS] launches, e.g. 64:3,64:2:128")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -266,17 +290,24 @@ def main(argv: list[str] | None = None) -> int:
         for fmt_name in formats:
             family = "int4-g32" if fmt_name.startswith("int4") else ("int8" if "int8" in fmt_name else fmt_name)
             launch = launches.get(fmt_name, launches.get(family, (None, None)))[1]
-            point = one_point(shape, fmt_name, args.context_len, args.batch, args.block_size, launch)
+            point = one_point(shape, fmt_name, args.context_len, args.batch, args.block_size, launch,
+                              args.implementation)
             points.append(point)
             torch.cuda.empty_cache()
+            if point["kernel"] == "pipelined" or (fmt_name != "bf16" and args.implementation == "pipelined"):
+                for item in filter(None, args.pipelined_launches.split(",")):
+                    points.append(one_point(shape, fmt_name, args.context_len, args.batch, args.block_size,
+                                            implementation="pipelined",
+                                            pipelined=tuple(int(v) for v in item.split(":"))))
+                    torch.cuda.empty_cache()
     for point in points:
-        base = next(p for p in points if p["shape"] == point["shape"] and p["format"] == "bf16")
-        point["speedup_vs_bf16"] = round(base["attention_ms"] / point["attention_ms"], 3)
-    header = (f"{'shape':<9}{'format':<20}{'B/tok/layer':>12}{'splits':>7}{'attn ms':>10}{'GB/s':>9}{'vs bf16':>9}"
+        base = next((p for p in points if p["shape"] == point["shape"] and p["format"] == "bf16"), None)
+        point["speedup_vs_bf16"] = round(base["attention_ms"] / point["attention_ms"], 3) if base else float("nan")
+    header = (f"{'shape':<9}{'format':<20}{'kernel':<10}{'launch':<20}{'B/tok/layer':>12}{'splits':>7}{'attn ms':>10}{'GB/s':>9}{'vs bf16':>9}"
               f"{'store ms':>10}")
     print(header)
     for p in points:
-        print(f"{p['shape']:<9}{p['format']:<20}{p['bytes_per_token_per_layer']:>12}{p['num_splits']:>7}"
+        print(f"{p['shape']:<9}{p['format']:<20}{p['kernel']:<10}{str(p['launch'])[:19]:<20}{p['bytes_per_token_per_layer']:>12}{p['num_splits']:>7}"
               f"{p['attention_ms']:>10.3f}{p['kv_gb_per_s']:>9.0f}{p['speedup_vs_bf16']:>9.2f}{p['store_ms']:>10.4f}")
     import triton
 

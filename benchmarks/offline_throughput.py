@@ -130,6 +130,9 @@ def run_timeline(engine: Engine, args) -> dict:
             "prefill_step_seconds": round(sum(s["ms"] for s in with_prefill) / 1e3, 3),
             "prefill_step_tokens": sum(s["tokens"] for s in with_prefill),
             "decode_steps": len(decode), "decode_seconds": round(sum(s["ms"] for s in decode) / 1e3, 3),
+            # Steps that scheduled nothing: with overlapped (async) scheduling on a GPU, the last
+            # step only collects the previous step's tokens.
+            "empty_steps": sum(1 for s in steps if not s["rows"]),
             "decode_by_rows_up_to": {str(k): {"steps": v["steps"], "seconds": round(v["seconds"], 3),
                                              "tokens": v["tokens"]} for k, v in sorted(buckets.items())},
             "steps_detail": steps}

@@ -28,7 +28,7 @@ def test_offline_timeline_accounts_for_every_step_and_token(tiny_checkpoint):
     # decode rows plus the steps that finish a prompt produce every output token.
     assert sum(step["prefill_tokens"] for step in steps) == int(prompts.sum())
     assert sum(step["tokens"] for step in steps) == int(prompts.sum()) + int(outputs.sum()) - len(outputs)
-    assert timeline["prefill_steps"] + timeline["decode_steps"] == len(steps)
+    assert timeline["prefill_steps"] + timeline["decode_steps"] + timeline["empty_steps"] == len(steps)
     assert sum(bucket["tokens"] for bucket in timeline["decode_by_rows_up_to"].values()) \
         == sum(step["rows"] for step in steps if not step["prefill_tokens"])
     assert all(step["tokens"] <= 64 and step["rows"] <= 8 and step["ms"] > 0 for step in steps)

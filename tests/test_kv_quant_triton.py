@@ -110,7 +110,9 @@ def _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_
 
 def _implementations(query, k_cache, v_cache):
     from kvserve.kernels.triton.decode_attention_quant import fast_kernel_supported
-    return (["fast"] if fast_kernel_supported(query, k_cache, v_cache) else []) + ["generic"]
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
+    return ((["pipelined"] if pipelined_supported(query, k_cache, v_cache) else [])
+            + (["fast"] if fast_kernel_supported(query, k_cache, v_cache) else []) + ["generic"])
 
 
 @pytest.mark.parametrize("options", DECODE_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
@@ -134,7 +136,7 @@ def test_fused_dequant_decode_matches_reference(options, shape, dtype):
     implementations = _implementations(query, k_cache, v_cache)
     group = options.get("kv_quant_group_size")
     if group is None or (group >= 16 and head_dim // group <= 4):
-        assert implementations[0] == "fast"
+        assert "fast" in implementations
     for implementation in implementations:
         for num_splits in (1, 3):
             got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
@@ -177,6 +179,72 @@ def test_fast_decode_kernel_launch_variants(options, tile, staging, ids_ahead):
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
+PIPELINED_CASES = [
+    {"kv_cache_dtype": "int8"},
+    {"kv_cache_dtype": "fp8_e4m3"},
+    {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
+    {"kv_cache_dtype_k": "fp8_e4m3", "kv_cache_dtype_v": "int8"},
+]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
+@pytest.mark.parametrize("options", PIPELINED_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+@pytest.mark.parametrize("shape", [(28, 4, 128), (6, 2, 64), (32, 4, 128), (4, 4, 64), (9, 3, 64)],
+                         ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
+    """The pipelined 8-bit kernel (Gluon): ragged contexts (empty, shorter than a tile or a warp's share
+    of it, across many ring turns), GQA groups 1-8, block sizes below and at the tile, and split counts
+    from 1 to more than a short context has tiles, against the reference on the same stored bytes."""
+    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
+    torch.manual_seed(6)
+    heads, kv_heads, head_dim = shape
+    num_blocks = 16384 // block_size
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, **options)
+    lens = torch.tensor([1000, 17, 0, 1, 64, 333, 2049])
+    batch = len(lens)
+    per_seq = num_blocks // batch
+    tables = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq)
+    rows = torch.arange(batch)
+    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, batch)
+    query = (torch.randn(batch, heads, head_dim) * 3).to(dtype).to(DEVICE)
+    tables, lens = tables.to(DEVICE), lens.to(DEVICE)
+    assert pipelined_supported(query, k_cache, v_cache)
+    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    atol, rtol = TOL[dtype]
+    for num_splits in (1, 2, 5, 40):
+        got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+                                           num_splits=num_splits, implementation="pipelined")
+        assert torch.isfinite(got.float()).all()
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{num_splits} splits: {m}")
+    # By default (no launch config forced) the engine's decode takes this kernel.
+    got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
+def test_pipelined_decode_declines_what_it_does_not_cover():
+    """int4, windows, static scales, groups of more than 8 heads: the Triton kernels serve them."""
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
+    head_dim, kv_heads = 128, 2
+    query = torch.randn(3, 2 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    for options in ({"kv_cache_dtype": "int4"}, {"kv_cache_dtype": "int8", "kv_quant_window": 8},
+                    {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
+                    {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto"}):
+        spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)
+        k_cache, v_cache = spec.allocate(8, 16, torch.device(DEVICE), rows=3)[0]
+        assert not pipelined_supported(query, k_cache, v_cache), options
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="int8")
+    k_cache, v_cache = spec.allocate(8, 16, torch.device(DEVICE), rows=3)[0]
+    assert pipelined_supported(query, k_cache, v_cache)
+    assert not pipelined_supported(torch.randn(3, 9 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE),
+                                   k_cache, v_cache)
+    assert not pipelined_supported(query.float(), k_cache, v_cache)
+
+
 @pytest.mark.parametrize("parts", ["kv", "k", "v"])
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "int4"])
 def test_decode_with_static_scales_matches_reference(name, parts, tmp_path):
@@ -201,7 +269,7 @@ def test_decode_with_static_scales_matches_reference(name, parts, tmp_path):
     want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, rows)
     atol, rtol = TOL[dtype]
     implementations = _implementations(query, k_cache, v_cache)
-    assert implementations[0] == "fast"
+    assert "fast" in implementations
     for implementation in implementations:
         got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, rows,
                                            num_splits=2, implementation=implementation)

@@ -59,48 +59,9 @@ from kvserve.kernels.triton.decode_attention import (COMBINE_SPLIT_CHUNK, LOG2_E
                                                      _decode_combine_kernel, _resident_programs, _split_length,
                                                      choose_num_splits, decode_workspace, default_decode_config,
                                                      unused_partials)
+from kvserve.kernels.triton.code_conversion import E4M3_TO_F16_PTX, INT4_TO_F16_PTX, INT8_TO_F16_PTX, BF16_QUERY_PRESCALE
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
-# 4 int8 codes (one register) -> 4 exact fp16 values (two registers): code ^ 0x80 = code + 128 in
-# [0, 255] as the low byte under the exponent byte 0x64 is the fp16 1024 + code + 128; subtract 1152.
-_INT8_TO_F16 = tl.constexpr(
-    "{\n"
-    ".reg .b32 t, bias;\n"
-    "xor.b32 t, $2, 0x80808080;\n"
-    "prmt.b32 $0, t, 0x64646464, 0x4140;\n"
-    "prmt.b32 $1, t, 0x64646464, 0x4342;\n"
-    "mov.b32 bias, 0x64806480;\n"
-    "sub.f16x2 $0, $0, bias;\n"
-    "sub.f16x2 $1, $1, bias;\n"
-    "}")
-# 4 int4 bytes -> their 4 low nibbles and 4 high nibbles as exact fp16 codes (nibble - 8):
-# 1024 + nibble under the exponent byte 0x64, minus 1032.
-_INT4_TO_F16 = tl.constexpr(
-    "{\n"
-    ".reg .b32 lo, hi, bias;\n"
-    "and.b32 lo, $4, 0x0F0F0F0F;\n"
-    "shr.u32 hi, $4, 4;\n"
-    "and.b32 hi, hi, 0x0F0F0F0F;\n"
-    "prmt.b32 $0, lo, 0x64646464, 0x4140;\n"
-    "prmt.b32 $1, lo, 0x64646464, 0x4342;\n"
-    "prmt.b32 $2, hi, 0x64646464, 0x4140;\n"
-    "prmt.b32 $3, hi, 0x64646464, 0x4342;\n"
-    "mov.b32 bias, 0x64086408;\n"
-    "sub.f16x2 $0, $0, bias;\n"
-    "sub.f16x2 $1, $1, bias;\n"
-    "sub.f16x2 $2, $2, bias;\n"
-    "sub.f16x2 $3, $3, bias;\n"
-    "}")
-# 4 e4m3 bytes -> 4 fp16 values with the hardware's packed conversion (sm_89+).
-_E4M3_TO_F16 = tl.constexpr(
-    "{\n"
-    ".reg .b16 lo, hi;\n"
-    "mov.b32 {lo, hi}, $2;\n"
-    "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
-    "cvt.rn.f16x2.e4m3x2 $1, hi;\n"
-    "}")
-# A bf16 query enters fp16 dots times this (a power of 2: exact), so that no bf16 value overflows.
-BF16_QUERY_PRESCALE = 2.0 ** -8
 
 
 # --- fast kernel --------------------------------------------------------------------------------
@@ -111,10 +72,10 @@ def _codes_8bit(raw, FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.cons
     _value_segment)."""
     if ASM:
         if FORMAT == 1:
-            codes = tl.inline_asm_elementwise(_INT8_TO_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
+            codes = tl.inline_asm_elementwise(INT8_TO_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
                                               pack=4)
         else:
-            codes = tl.inline_asm_elementwise(_E4M3_TO_F16, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
+            codes = tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
                                               pack=4)
     else:
         if FORMAT == 1:
@@ -128,7 +89,7 @@ def _codes_8bit(raw, FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.cons
 def _codes_int4(raw, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
     """int4 bytes -> (low-nibble codes, high-nibble codes) in DOT_DTYPE."""
     if ASM:
-        low, high = tl.inline_asm_elementwise(_INT4_TO_F16, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
+        low, high = tl.inline_asm_elementwise(INT4_TO_F16_PTX, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
                                               is_pure=PURE, pack=4)
     else:
         low = ((raw & 0xF).to(tl.int8) - 8).to(DOT_DTYPE)
@@ -872,22 +833,49 @@ def _part_signature(cache) -> tuple:
     return (cache.fmt, cache.window is not None)
 
 
-def _occupancy_key(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig, fast: bool, asm: bool,
+def _occupancy_key(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig, kind: str, asm: bool,
                    value_staging: str = "fp16") -> tuple:
     num_heads, head_dim = query.shape[1:]
     return (query.device, query.dtype, _part_signature(k_cache), _part_signature(v_cache),
-            num_heads // k_cache.shape[2], head_dim, config, fast, asm, value_staging)
+            num_heads // k_cache.shape[2], head_dim, config, kind, asm, value_staging)
 
 
-def _use_fast(query, k_cache, v_cache, config, implementation: str) -> bool:
-    if implementation not in ("auto", "fast", "generic"):
-        raise ValueError(f"implementation must be auto, fast or generic, got {implementation!r}")
+def _implementation(query, k_cache, v_cache, config, implementation: str) -> str:
+    """Which kernel serves a launch: "pipelined" (decode_attention_quant_pipelined: 8-bit parts with
+    per-token scales, by default where it applies and no launch config is forced), "fast" or
+    "generic" (this module's)."""
+    if implementation not in ("auto", "pipelined", "fast", "generic"):
+        raise ValueError(f"implementation must be auto, pipelined, fast or generic, got {implementation!r}")
     if implementation == "generic":
-        return False
+        return "generic"
+    if implementation in ("auto", "pipelined") and (config is None or implementation == "pipelined"):
+        # Imported here: Gluon is experimental Triton, needed only for quantized caches on NVIDIA GPUs.
+        from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
+        if pipelined_supported(query, k_cache, v_cache):
+            return "pipelined"
+        if implementation == "pipelined":
+            raise ValueError("the pipelined quantized decode kernel does not support these caches")
     supported = fast_kernel_supported(query, k_cache, v_cache, config)
     if implementation == "fast" and not supported:
         raise ValueError("the fast quantized decode kernel does not support these caches")
-    return supported
+    return "fast" if supported else "generic"
+
+
+def quant_decode_kernel(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None,
+                        implementation: str = "auto") -> str:
+    """The kernel ("pipelined", "fast" or "generic") paged_decode_attention_quant runs for these arguments."""
+    return _implementation(query, k_cache, v_cache, config, implementation)
+
+
+def _launch_config(kind: str, query, k_cache, v_cache, config: DecodeConfig | None) -> DecodeConfig:
+    if config is not None:
+        return config
+    if kind == "pipelined":
+        from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_config
+        return pipelined_config()
+    if kind == "fast":
+        return _fast_config(query.shape[2], query.dtype, k_cache, v_cache)
+    return default_decode_config(query.shape[2], query.dtype)
 
 
 def _use_asm(query: torch.Tensor, asm: bool | None) -> bool:
@@ -912,20 +900,19 @@ def decode_num_splits_quant(query: torch.Tensor, k_cache, v_cache, block_tables:
                             value_staging: str = "fp16") -> int:
     """The split count paged_decode_attention_quant picks for these arguments (to size a workspace
     ahead of a CUDA-graph capture, say): from the compiled kernel's occupancy once it has run."""
-    head_dim = query.shape[2]
-    fast = _use_fast(query, k_cache, v_cache, config, implementation)
-    config = config or (_fast_config(head_dim, query.dtype, k_cache, v_cache) if fast
-                        else default_decode_config(head_dim, query.dtype))
+    kind = _implementation(query, k_cache, v_cache, config, implementation)
+    config = _launch_config(kind, query, k_cache, v_cache, config)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
-    key = _occupancy_key(query, k_cache, v_cache, config, fast, _use_asm(query, asm) and fast, value_staging)
+    key = _occupancy_key(query, k_cache, v_cache, config, kind, _use_asm(query, asm) and kind == "fast",
+                         value_staging)
     return choose_num_splits(query.shape[0], k_cache.shape[2], max_context_len, query.device, config,
                              _quant_resident_per_sm.get(key))
 
 
 def measured_quant_occupancy() -> dict[str, int]:
     """Programs per SM of each quantized-decode kernel variant launched so far (benchmark reports)."""
-    return {f"{key[1]}/{key[2]}/{key[3]}/group{key[4]}/d{key[5]}/{key[6]}/{'fast' if key[7] else 'generic'}"
+    return {f"{key[1]}/{key[2]}/{key[3]}/group{key[4]}/d{key[5]}/{key[6]}/{key[7]}"
             f"{'/asm' if key[8] else ''}/{key[9]}": resident for key, resident in _quant_resident_per_sm.items()}
 
 
@@ -953,9 +940,9 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    fast = _use_fast(query, k_cache, v_cache, config, implementation)
-    config = config or (_fast_config(head_dim, query.dtype, k_cache, v_cache) if fast
-                        else default_decode_config(head_dim, query.dtype))
+    kind = _implementation(query, k_cache, v_cache, config, implementation)
+    config = _launch_config(kind, query, k_cache, v_cache, config)
+    fast = kind == "fast"
     use_asm = _use_asm(query, asm) and fast
     group = num_heads // num_kv_heads
     group_pad = next_power_of_2(group)
@@ -963,7 +950,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         group_pad = max(16, group_pad)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
-    key = _occupancy_key(query, k_cache, v_cache, config, fast, use_asm, value_staging)
+    key = _occupancy_key(query, k_cache, v_cache, config, kind, use_asm, value_staging)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device, config,
                                        _quant_resident_per_sm.get(key))
@@ -974,6 +961,9 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         raise ValueError("a quantized part keeps a full-precision window: pass seq_rows")
     ring_strides = rings[0].window.stride()[:2] if rings else (0, 0)
     sinks, window = (rings[0].num_sinks, rings[0].window_size) if rings else (0, 0)
+    if kind == "pipelined":
+        return _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits,
+                                       workspace, config, key)
     interpret = interpreting()
     common = (query, k_args[0], v_args[0], k_args[1], v_args[1], k_args[2], v_args[2], k_args[3], v_args[3],
               seq_rows if seq_rows is not None else context_lens, block_tables, context_lens)
@@ -1023,17 +1013,33 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
             *strides, 0, 0, 0, 0, 0, **meta)
         _note_occupancy(key, compiled, query.device)
         return out
-    if workspace is None:
-        workspace = decode_workspace(batch, num_heads, head_dim, num_splits, query.device)
-    partial_out, partial_lse = workspace
-    if partial_out.shape[2] < num_splits or partial_lse.shape[2] < num_splits or partial_out.shape[0] < batch:
-        raise ValueError("workspace does not fit this launch (see decode_workspace)")
+    partial_out, partial_lse = _split_workspace(query, num_splits, workspace)
     compiled = kernel[(batch, num_kv_heads, num_splits)](
         *common, out, partial_out, partial_lse, *scalars, num_splits, block_size, 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *strides, partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), **meta)
     _note_occupancy(key, compiled, query.device)
+    _combine(partial_out, partial_lse, context_lens, out, num_splits, config)
+    return out
+
+
+def _split_workspace(query: torch.Tensor, num_splits: int,
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's partial-output buffers (checked against this launch), or new ones."""
+    batch, num_heads, head_dim = query.shape
+    if workspace is None:
+        workspace = decode_workspace(batch, num_heads, head_dim, num_splits, query.device)
+    partial_out, partial_lse = workspace
+    if partial_out.shape[2] < num_splits or partial_lse.shape[2] < num_splits or partial_out.shape[0] < batch:
+        raise ValueError("workspace does not fit this launch (see decode_workspace)")
+    return partial_out, partial_lse
+
+
+def _combine(partial_out: torch.Tensor, partial_lse: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
+             num_splits: int, config: DecodeConfig) -> None:
+    batch, num_heads, head_dim = out.shape
+    dim_pad = max(16, next_power_of_2(head_dim))
     _decode_combine_kernel[(batch, num_heads)](
         partial_out, partial_lse, context_lens, out, num_splits,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -1042,6 +1048,25 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, TILE=config.tile,
         MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
         num_warps=4)
+
+
+def _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, workspace,
+                            config, key) -> torch.Tensor:
+    """decode_attention_quant_pipelined's kernel with this module's split, workspace and combine."""
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import launch_pipelined
+    grid = (query.shape[0], k_cache.shape[2], num_splits)
+    scale_log2 = float(scale) * LOG2_E
+    if num_splits == 1:
+        compiled = launch_pipelined(grid, query, k_cache, v_cache, block_tables, context_lens, scale_log2, out,
+                                    unused_partials(out), unused_partials(out), 1, 1, config, (0, 0, 0, 0, 0))
+        _note_occupancy(key, compiled, query.device)
+        return out
+    partial_out, partial_lse = _split_workspace(query, num_splits, workspace)
+    compiled = launch_pipelined(grid, query, k_cache, v_cache, block_tables, context_lens, scale_log2, out,
+                                partial_out, partial_lse, num_splits, 0, config,
+                                (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
+    _note_occupancy(key, compiled, query.device)
+    _combine(partial_out, partial_lse, context_lens, out, num_splits, config)
     return out
 
 
