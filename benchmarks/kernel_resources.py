@@ -15,6 +15,7 @@ occupancy the H200 runs measured (3 programs per SM for the session-7 int8 kerne
 
     python benchmarks/kernel_resources.py quant-decode --format int8 --tile 128 --ids-ahead --max-registers 128
     python benchmarks/kernel_resources.py quant-decode --format int4 --tile 64 --sass-mix
+    python benchmarks/kernel_resources.py pipelined-decode --format int8 --tile 128 --stages 2 --sass-mix
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ def compile_for_target(kernel, pointer_types: dict[str, str], constexprs: dict, 
             signature[name] = "i32"
             if name not in dynamic_args and int_values.get(name, 16) % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, attrs=attrs,
-                       constexprs={(params.index(k),): v for k, v in constexprs.items() if k in params})
+    source_type = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        source_type = GluonASTSource
+    source = source_type(kernel, signature, attrs=attrs,
+                         constexprs={(params.index(k),): v for k, v in constexprs.items() if k in params})
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers:
         options["maxnreg"] = max_registers
@@ -92,7 +97,20 @@ def resources(compiled, sass_mix: bool = False) -> dict:
         opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
         report["sass_instructions"] = len(opcodes)
         report["sass_mix"] = dict(collections.Counter(opcodes).most_common(20))
+        report["mma_instructions"] = sum(1 for op in opcodes if op in ("HMMA", "HGMMA", "IMMA"))
+        report["async_copy_instructions"] = opcodes.count("LDGSTS")
+        report["longest_loop_instructions"] = longest_loop(sass)
     return report
+
+
+def longest_loop(sass: str) -> int:
+    """Instructions (per thread, one pass) of the longest loop body: a branch back to an earlier
+    address closes a loop that starts there (SASS instructions are 16 bytes apart)."""
+    longest = 0
+    for address, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass):
+        if int(target, 16) < int(address, 16):
+            longest = max(longest, (int(address, 16) - int(target, 16)) // 16 + 1)
+    return longest
 
 
 def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_registers: int | None,
@@ -138,6 +156,34 @@ def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_regis
     return resources(compiled, sass_mix)
 
 
+def pipelined_decode(fmt: str, tile: int, stages: int, max_registers: int | None, sass_mix: bool) -> dict:
+    """The pipelined 8-bit decode kernel (Gluon) for Qwen-7B attention (28/4/128), bf16 queries, both
+    parts in `fmt` (int8 or fp8_e4m3), blocks of 16, as paged_decode_attention_quant launches it."""
+    from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS
+    from kvserve.kernels.triton.code_conversion import BF16_QUERY_PRESCALE
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import NUM_WARPS, _decode_split_pipelined_kernel
+    from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
+    head_dim, kv_heads, block_size = 128, 4, 16
+    code = FORMAT_CODES[fmt]
+    constexprs = dict(GROUP=7, HEAD_DIM=head_dim, TILE=tile, STAGES=stages, MIN_SPLIT_TOKENS=128, K_FORMAT=code,
+                      V_FORMAT=code, BLOCK_SIZE=block_size, PRESCALE=BF16_QUERY_PRESCALE)
+    payload = "*i8" if fmt == "int8" else "*u8"
+    pointers = {"query_ptr": "*bf16", "k_ptr": payload, "v_ptr": payload, "k_scales_ptr": "*fp16",
+                "v_scales_ptr": "*fp16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
+                "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
+    row = kv_heads * head_dim
+    values = dict(query_stride_seq=28 * head_dim, query_stride_head=head_dim, out_stride_seq=28 * head_dim,
+                  out_stride_head=head_dim, k_stride_block=block_size * row, k_stride_token=row,
+                  k_stride_head=head_dim, v_stride_block=block_size * row, v_stride_token=row,
+                  v_stride_head=head_dim, ks_stride_block=block_size * kv_heads, ks_stride_token=kv_heads,
+                  ks_stride_head=1, vs_stride_block=block_size * kv_heads, vs_stride_token=kv_heads,
+                  vs_stride_head=1)
+    compiled = compile_for_target(_decode_split_pipelined_kernel, pointers, constexprs, values,
+                                  float_args=("key_scale_log2",), dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS),
+                                  num_warps=NUM_WARPS, max_registers=max_registers)
+    return resources(compiled, sass_mix)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="kernel", required=True)
@@ -151,14 +197,24 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_argument("--max-registers", type=int, default=None)
     quant.add_argument("--window", action="store_true", help="a 128-token full-precision window and 4 sinks")
     quant.add_argument("--sass-mix", action="store_true", help="also count SASS instructions by opcode")
+    pipelined = sub.add_parser("pipelined-decode",
+                               help="kernels/triton/decode_attention_quant_pipelined.py's kernel (Gluon)")
+    pipelined.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3"])
+    pipelined.add_argument("--tile", type=int, default=128)
+    pipelined.add_argument("--stages", type=int, default=2)
+    pipelined.add_argument("--max-registers", type=int, default=None)
+    pipelined.add_argument("--sass-mix", action="store_true", help="also count SASS instructions by opcode")
     args = parser.parse_args(argv)
     try:
         import triton  # noqa: F401
     except ImportError:
         print("needs triton", file=sys.stderr)
         return 1
-    report = quant_decode(args.format, args.tile, args.num_warps, args.ids_ahead, args.max_registers, args.window,
-                          args.group, args.sass_mix, args.num_stages)
+    if args.kernel == "pipelined-decode":
+        report = pipelined_decode(args.format, args.tile, args.stages, args.max_registers, args.sass_mix)
+    else:
+        report = quant_decode(args.format, args.tile, args.num_warps, args.ids_ahead, args.max_registers,
+                              args.window, args.group, args.sass_mix, args.num_stages)
     for key, value in report.items():
         print(f"{key}: {value}")
     return 0
