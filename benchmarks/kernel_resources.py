@@ -151,7 +151,8 @@ def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_regis
                   ring_stride_token=kv_heads * head_dim, ring_stride_head=head_dim)
     compiled = compile_for_target(_decode_split_quant_kernel, pointers, constexprs, values,
                                   float_args=("scale_log2", "key_scale_log2"),
-                                  dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS), num_warps=num_warps, num_stages=num_stages,
+                                  dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS), num_warps=num_warps,
+                                  num_stages=num_stages,
                                   max_registers=max_registers)
     return resources(compiled, sass_mix)
 

@@ -107,7 +107,8 @@ def quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query
 
 
 def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, block_size: int,
-              launch: dict | None = None, implementation: str = "auto", pipelined: tuple[int, int] | None = None) -> dict:
+              launch: dict | None = None, implementation: str = "auto",
+              pipelined: tuple[int, ...] | None = None) -> dict:
     """One (shape, format) point; `launch` (tile, num_warps, num_stages, value_staging, asm) overrides
     the fast Triton kernel's default launch, `pipelined` (tile, stages) the pipelined kernel's;
     `implementation` picks the quantized kernel (auto: what the engine runs)."""
@@ -165,10 +166,14 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
             store_kv(new_k, new_k, k_cache, v_cache, slots)
     store_ms = bench_graphed(store)
     kv_bytes = batch * context_len * spec.bytes_per_token
+    if pipelined:
+        launch_name = f"tile {pipelined[0]}, {pipelined[1]} stages" + (f", {pipelined[2]} regs" if len(pipelined) > 2
+                                                                      else "")
+    else:
+        launch_name = launch or "default"
     return {"shape": shape_name, "format": fmt_name, "context_len": context_len, "batch": batch,
             "kernel": kernel, "num_splits": num_splits,
-            "launch": launch or (f"tile {pipelined[0]}, {pipelined[1]} stages"
-                                 + (f", {pipelined[2]} regs" if len(pipelined) > 2 else "") if pipelined else "default"), "bytes_per_token_per_layer": spec.bytes_per_token,
+            "launch": launch_name, "bytes_per_token_per_layer": spec.bytes_per_token,
             "attention_ms": round(attention_ms, 4), "store_ms": round(store_ms, 4),
             "kv_gb_per_s": round(kv_bytes / attention_ms / 1e6, 1)}
 
@@ -260,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--implementation", default="auto", choices=["auto", "pipelined", "fast"],
                         help="the quantized kernel (auto: the engine's choice)")
     parser.add_argument("--pipelined-launches", default="",
-                        help="also time the pipelined kernel at these TILE:STAGES[:MAX_REGISTERS] launches, e.g. 64:3,64:2:128")
+                        help="also time the pipelined kernel at these TILE:STAGES[:MAX_REGISTERS] launches, "
+                             "e.g. 64:3,64:2:128")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -303,11 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     for point in points:
         base = next((p for p in points if p["shape"] == point["shape"] and p["format"] == "bf16"), None)
         point["speedup_vs_bf16"] = round(base["attention_ms"] / point["attention_ms"], 3) if base else float("nan")
-    header = (f"{'shape':<9}{'format':<20}{'kernel':<10}{'launch':<20}{'B/tok/layer':>12}{'splits':>7}{'attn ms':>10}{'GB/s':>9}{'vs bf16':>9}"
+    header = (f"{'shape':<9}{'format':<20}{'kernel':<10}{'launch':<20}{'B/tok/layer':>12}{'splits':>7}{'attn ms':>10}"
+              f"{'GB/s':>9}{'vs bf16':>9}"
               f"{'store ms':>10}")
     print(header)
     for p in points:
-        print(f"{p['shape']:<9}{p['format']:<20}{p['kernel']:<10}{str(p['launch'])[:19]:<20}{p['bytes_per_token_per_layer']:>12}{p['num_splits']:>7}"
+        print(f"{p['shape']:<9}{p['format']:<20}{p['kernel']:<10}{str(p['launch'])[:19]:<20}"
+              f"{p['bytes_per_token_per_layer']:>12}{p['num_splits']:>7}"
               f"{p['attention_ms']:>10.3f}{p['kv_gb_per_s']:>9.0f}{p['speedup_vs_bf16']:>9.2f}{p['store_ms']:>10.4f}")
     import triton
 

@@ -25,6 +25,11 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, cached."""
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch (sm90+). A kernel launched with it is scheduled while the one
     before it drains, then waits (griddepcontrol.wait, its first instruction) until that one has
@@ -32,7 +37,7 @@ def pdl_enabled(device: torch.device) -> bool:
     shrinks. CUDA graphs keep it. KVSERVE_PDL=0 turns it off."""
     if interpreting() or device.type != "cuda" or os.environ.get("KVSERVE_PDL", "1") == "0":
         return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return cuda_capability(device)[0] >= 9
 
 
 def interpreting() -> bool:

@@ -39,6 +39,10 @@ kvserve.kvcache.quant) are not in the quantized loop: each split runs its quanti
 then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
 full-precision part).
 
+8-bit parts with per-token scales (no window) on NVIDIA GPUs go to the pipelined Gluon kernel of
+decode_attention_quant_pipelined.py instead, by default (`implementation`, quant_decode_kernel);
+this module still chooses its split count and combines its partial outputs.
+
 Generic kernel (`_decode_split_quant_generic_kernel`): any head_dim and group, dequantizes each
 tile element by element in fp32 and overlays ring rows; used where the fast one does not apply.
 
@@ -59,7 +63,8 @@ from kvserve.kernels.triton.decode_attention import (COMBINE_SPLIT_CHUNK, LOG2_E
                                                      _decode_combine_kernel, _resident_programs, _split_length,
                                                      choose_num_splits, decode_workspace, default_decode_config,
                                                      unused_partials)
-from kvserve.kernels.triton.code_conversion import E4M3_TO_F16_PTX, INT4_TO_F16_PTX, INT8_TO_F16_PTX, BF16_QUERY_PRESCALE
+from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_TO_F16_PTX,
+                                                    INT8_TO_F16_PTX)
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
 
@@ -72,11 +77,11 @@ def _codes_8bit(raw, FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.cons
     _value_segment)."""
     if ASM:
         if FORMAT == 1:
-            codes = tl.inline_asm_elementwise(INT8_TO_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
-                                              pack=4)
+            codes = tl.inline_asm_elementwise(INT8_TO_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16,
+                                              is_pure=PURE, pack=4)
         else:
-            codes = tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16, is_pure=PURE,
-                                              pack=4)
+            codes = tl.inline_asm_elementwise(E4M3_TO_F16_PTX, "=r,=r,r", [raw], dtype=tl.float16,
+                                              is_pure=PURE, pack=4)
     else:
         if FORMAT == 1:
             codes = raw.to(DOT_DTYPE)
@@ -89,8 +94,8 @@ def _codes_8bit(raw, FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr, ASM: tl.cons
 def _codes_int4(raw, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
     """int4 bytes -> (low-nibble codes, high-nibble codes) in DOT_DTYPE."""
     if ASM:
-        low, high = tl.inline_asm_elementwise(INT4_TO_F16_PTX, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
-                                              is_pure=PURE, pack=4)
+        low, high = tl.inline_asm_elementwise(INT4_TO_F16_PTX, "=r,=r,=r,=r,r", [raw],
+                                              dtype=(tl.float16, tl.float16), is_pure=PURE, pack=4)
     else:
         low = ((raw & 0xF).to(tl.int8) - 8).to(DOT_DTYPE)
         high = ((raw >> 4).to(tl.int8) - 8).to(DOT_DTYPE)
@@ -840,10 +845,11 @@ def _occupancy_key(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig, 
             num_heads // k_cache.shape[2], head_dim, config, kind, asm, value_staging)
 
 
-def _implementation(query, k_cache, v_cache, config, implementation: str) -> str:
-    """Which kernel serves a launch: "pipelined" (decode_attention_quant_pipelined: 8-bit parts with
-    per-token scales, by default where it applies and no launch config is forced), "fast" or
-    "generic" (this module's)."""
+def quant_decode_kernel(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None,
+                        implementation: str = "auto") -> str:
+    """The kernel paged_decode_attention_quant runs for these arguments: "pipelined"
+    (decode_attention_quant_pipelined: 8-bit parts with per-token scales; by default where it
+    applies and no launch config is forced), "fast" or "generic" (this module's)."""
     if implementation not in ("auto", "pipelined", "fast", "generic"):
         raise ValueError(f"implementation must be auto, pipelined, fast or generic, got {implementation!r}")
     if implementation == "generic":
@@ -859,12 +865,6 @@ def _implementation(query, k_cache, v_cache, config, implementation: str) -> str
     if implementation == "fast" and not supported:
         raise ValueError("the fast quantized decode kernel does not support these caches")
     return "fast" if supported else "generic"
-
-
-def quant_decode_kernel(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None,
-                        implementation: str = "auto") -> str:
-    """The kernel ("pipelined", "fast" or "generic") paged_decode_attention_quant runs for these arguments."""
-    return _implementation(query, k_cache, v_cache, config, implementation)
 
 
 def _launch_config(kind: str, query, k_cache, v_cache, config: DecodeConfig | None) -> DecodeConfig:
@@ -900,7 +900,7 @@ def decode_num_splits_quant(query: torch.Tensor, k_cache, v_cache, block_tables:
                             value_staging: str = "fp16") -> int:
     """The split count paged_decode_attention_quant picks for these arguments (to size a workspace
     ahead of a CUDA-graph capture, say): from the compiled kernel's occupancy once it has run."""
-    kind = _implementation(query, k_cache, v_cache, config, implementation)
+    kind = quant_decode_kernel(query, k_cache, v_cache, config, implementation)
     config = _launch_config(kind, query, k_cache, v_cache, config)
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
@@ -940,7 +940,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
-    kind = _implementation(query, k_cache, v_cache, config, implementation)
+    kind = quant_decode_kernel(query, k_cache, v_cache, config, implementation)
     config = _launch_config(kind, query, k_cache, v_cache, config)
     fast = kind == "fast"
     use_asm = _use_asm(query, asm) and fast

@@ -35,7 +35,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, interpreting
+from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capability, interpreting
 from kvserve.kernels.triton.code_conversion import E4M3_TO_F16_PTX, INT8_TO_F16_PTX, BF16_QUERY_PRESCALE
 from kvserve.kernels.triton.decode_attention import DecodeConfig
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
@@ -292,7 +292,7 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
     block_size = k_cache.shape[1]
     if block_size & (block_size - 1):
         return False
-    capability = torch.cuda.get_device_capability(query.device)
+    capability = cuda_capability(query.device)
     for part in parts:
         fmt = part.fmt
         if fmt.name not in ("int8", "fp8_e4m3") or fmt.static_scales or part.window is not None:
