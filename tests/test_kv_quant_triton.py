@@ -184,6 +184,9 @@ PIPELINED_CASES = [
     {"kv_cache_dtype": "fp8_e4m3"},
     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
     {"kv_cache_dtype_k": "fp8_e4m3", "kv_cache_dtype_v": "int8"},
+    {"kv_cache_dtype": "int4", "kv_quant_window": 0, "kv_quant_sinks": 0},                     # groups of 32
+    {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0},
+    {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0},
 ]
 
 
@@ -194,7 +197,7 @@ PIPELINED_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
-    """The pipelined 8-bit kernel (Gluon): ragged contexts (empty, shorter than a tile or a warp's share
+    """The pipelined kernel (Gluon; 8-bit and int4 without a window): ragged contexts (empty, shorter than a tile or a warp's share
     of it, across many ring turns), GQA groups 1-8, block sizes below and at the tile, and split counts
     from 1 to more than a short context has tiles, against the reference on the same stored bytes."""
     from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
@@ -227,11 +230,14 @@ def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
 def test_pipelined_decode_declines_what_it_does_not_cover():
-    """int4, windows, static scales, groups of more than 8 heads: the Triton kernels serve them."""
+    """Windows, int4 next to an 8-bit part, 8-bit scale groups, groups of more than 8 heads: the Triton
+    kernels serve them."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     head_dim, kv_heads = 128, 2
     query = torch.randn(3, 2 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     for options in ({"kv_cache_dtype": "int4"}, {"kv_cache_dtype": "int8", "kv_quant_window": 8},
+                    {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "int8", "kv_quant_window": 0,
+                     "kv_quant_sinks": 0},
                     {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
                     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto"}):
         spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)

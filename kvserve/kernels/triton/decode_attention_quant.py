@@ -39,7 +39,8 @@ kvserve.kvcache.quant) are not in the quantized loop: each split runs its quanti
 then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
 full-precision part).
 
-8-bit parts with per-token scales (no window) on NVIDIA GPUs go to the pipelined Gluon kernel of
+Parts with dynamic scales and no window (both 8-bit with per-token scales, or both int4) on NVIDIA
+GPUs go to the pipelined Gluon kernel of
 decode_attention_quant_pipelined.py instead, by default (`implementation`, quant_decode_kernel);
 this module still chooses its split count and combines its partial outputs.
 
@@ -848,7 +849,7 @@ def _occupancy_key(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig, 
 def quant_decode_kernel(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None,
                         implementation: str = "auto") -> str:
     """The kernel paged_decode_attention_quant runs for these arguments: "pipelined"
-    (decode_attention_quant_pipelined: 8-bit parts with per-token scales; by default where it
+    (decode_attention_quant_pipelined: dynamic scales, no window; by default where it
     applies and no launch config is forced), "fast" or "generic" (this module's)."""
     if implementation not in ("auto", "pipelined", "fast", "generic"):
         raise ValueError(f"implementation must be auto, pipelined, fast or generic, got {implementation!r}")

@@ -1,8 +1,9 @@
-"""Pipelined fused-dequant paged decode attention for 8-bit KV caches (Gluon; NVIDIA sm_80+).
+"""Pipelined fused-dequant paged decode attention for 8-bit and int4 KV caches (Gluon; NVIDIA sm_80+).
 
 Reference: `kvserve.kernels.quant_reference.paged_decode_attention`; the same grid, split-KV scheme,
-partial-output layout and combine kernel as decode_attention_quant.py, whose Triton kernel serves
-every other case (int4, static scales, full-precision windows, fp32 queries, the interpreter).
+partial-output layout and combine kernel as decode_attention_quant.py, whose Triton kernels serve
+every other case (full-precision windows, static scales, int4 next to an 8-bit part, fp32 queries,
+the interpreter).
 
 Why a second kernel: the Triton one is latency-bound. Each loop iteration waits for its own K/V
 bytes, then runs its dependent chain of dots and reductions, so a program never has a tile in
@@ -14,13 +15,17 @@ and the 2-byte per-token scales (too small for an asynchronous copy) one tile ah
 from block ids loaded one iteration earlier still; so no load waits in the iteration that issues it.
 
 What it covers (`pipelined_supported`): K and V each int8 or fp8-e4m3 with dynamic per-token
-scales, no full-precision window, head_dim 64 or 128, a GQA group of at most 16, fp16/bf16 queries.
-Codes become exact fp16 values by byte permutes under an fp16 exponent (int8) or the packed
-e4m3x2 -> f16x2 conversion, as in decode_attention_quant.py; key scales multiply the [group, tile]
-scores, value scales the probabilities (divided by the tile's largest scale, which multiplies the
-update). Keys are read from shared memory straight into the dot's operand registers (4 consecutive
-channels per 32-bit load); value codes are converted to fp16 and staged once more in shared memory,
-because P @ V reduces over positions, which are not adjacent in a row of codes.
+scales, or both int4 with dynamic scales per group of 16-128 elements (at most 4 per head); no
+full-precision window; head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries.
+Codes become exact fp16 values by byte permutes under an fp16 exponent (int8, int4) or the packed
+e4m3x2 -> f16x2 conversion (code_conversion.py); key scales multiply the [positions, group] scores,
+value scales the probabilities (divided by the warp's largest scale in the tile, which multiplies
+the update). An int4 byte holds dims j and head_dim/2 + j: its low and high nibbles go into two
+dots, in chunks of min(group, head_dim/2) dims that share a scale, each with its own accumulator
+on the value side. Keys are read from shared memory straight into the dot's operand registers (4
+consecutive bytes per 32-bit load, converted in place); value codes are converted to fp16 and
+staged once more in shared memory, because P @ V reduces over positions, which are not adjacent in
+a row of codes.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capability, interpreting
-from kvserve.kernels.triton.code_conversion import E4M3_TO_F16_PTX, INT8_TO_F16_PTX, BF16_QUERY_PRESCALE
+from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_TO_F16_PTX,
+                                                    INT8_TO_F16_PTX)
 from kvserve.kernels.triton.decode_attention import DecodeConfig
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
@@ -77,19 +83,131 @@ if HAVE_GLUON:
         return gl.load(scales_ptr + rows, mask=positions < end, other=0.0)
 
     @gluon.jit
+    def _int4_to_f16(codes):
+        """int4 bytes -> (low-nibble codes, high-nibble codes) as exact fp16 values."""
+        return gl.inline_asm_elementwise(INT4_TO_F16_PTX, "=r,=r,=r,=r,r", [codes], dtype=(gl.float16, gl.float16),
+                                         is_pure=True, pack=4)
+
+    @gluon.jit
+    def _pick(x0, x1, x2, x3, INDEX: gl.constexpr):
+        """x<INDEX> of up to 4 per-chunk or per-group values (compile-time choice)."""
+        if INDEX == 0:
+            picked = x0
+        elif INDEX == 1:
+            picked = x1
+        elif INDEX == 2:
+            picked = x2
+        else:
+            picked = x3
+        return picked
+
+    @gluon.jit
     def _issue_tile(k_ptr, v_ptr, k_buf, v_buf, blocks, positions, end,
                     k_stride_block, k_stride_token, k_head_offset, v_stride_block, v_stride_token, v_head_offset,
-                    HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, copy: gl.constexpr):
-        """Asynchronous copies of a tile's K and V codes ([WARPS, SUB] positions) into one ring slot
-        (zeros past `end`)."""
+                    ROW_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr, copy: gl.constexpr):
+        """Asynchronous copies of a tile's K and V codes ([WARPS, SUB] positions, ROW_BYTES each) into
+        one ring slot (zeros past `end`)."""
         valid = positions < end
         offsets = positions & (BLOCK_SIZE - 1)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy)))[None, None, :]
+        cols = gl.arange(0, ROW_BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy)))[None, None, :]
         base = blocks.to(gl.int64)
         k_rows = base * k_stride_block + (offsets * k_stride_token + k_head_offset)
         async_copy.async_copy_global_to_shared(k_buf, k_ptr + k_rows[:, :, None] + cols, mask=valid[:, :, None])
         v_rows = base * v_stride_block + (offsets * v_stride_token + v_head_offset)
         async_copy.async_copy_global_to_shared(v_buf, v_ptr + v_rows[:, :, None] + cols, mask=valid[:, :, None])
+
+    @gluon.jit
+    def _group_scales(scales_ptr, blocks, positions, end, stride_block, stride_token, head_offset,
+                      NUM_GROUPS: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+        """fp16 [WARPS, SUB] scales of each of a tile's (up to 4) scale groups (0 past `end`; entries
+        past NUM_GROUPS repeat the first)."""
+        rows = blocks.to(gl.int64) * stride_block + ((positions & (BLOCK_SIZE - 1)) * stride_token + head_offset)
+        valid = positions < end
+        s0 = gl.load(scales_ptr + rows, mask=valid, other=0.0)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        if NUM_GROUPS > 1:
+            s1 = gl.load(scales_ptr + rows + 1, mask=valid, other=0.0)
+        if NUM_GROUPS > 2:
+            s2 = gl.load(scales_ptr + rows + 2, mask=valid, other=0.0)
+            s3 = gl.load(scales_ptr + rows + 3, mask=valid, other=0.0)
+        return s0, s1, s2, s3
+
+    @gluon.jit
+    def _query_chunk(q_base, query_stride_head, kv_head, DIM0: gl.constexpr, WIDTH: gl.constexpr,
+                     GROUP: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr, PRESCALE: gl.constexpr,
+                     operand: gl.constexpr):
+        """q^T [WIDTH, 8] of the group over dims DIM0 .. DIM0 + WIDTH (heads past GROUP are 0), times
+        PRESCALE (a power of 2, so that any bf16 value fits fp16), the same for every warp."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8, 1], [1, 4, 8], [WARPS, 1, 1], [1, 2, 0])
+        dims = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        warps = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        ptrs = (q_base + warps[:, None, None] * 0 + (kv_head * GROUP + heads)[None, None, :] * query_stride_head
+                + (DIM0 + dims)[None, :, None])
+        q = gl.load(ptrs, mask=(heads < GROUP)[None, None, :], other=0.0)
+        return gl.convert_layout((q.to(gl.float32) * PRESCALE).to(gl.float16), operand)
+
+    @gluon.jit
+    def _key_scores(k_buf, q0, q1, q2, q3, s0, s1, s2, s3, FORMAT: gl.constexpr, GROUP: gl.constexpr,
+                    HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr, k_operand: gl.constexpr, zero):
+        """[WARPS, SUB, 8] scores^T (q . k, key scales applied) of the tile in one ring slot. 8-bit:
+        one dot over the whole head; int4: per chunk of CHUNK bytes, a dot for its low nibbles (dims
+        c*CHUNK ..) and one for its high nibbles (dims HEAD_DIM/2 + c*CHUNK ..), each times its
+        group's per-token scale."""
+        if FORMAT == 3:
+            HALF: gl.constexpr = HEAD_DIM // 2
+            NC: gl.constexpr = HALF // CHUNK
+            low, high = _int4_to_f16(k_buf.slice(0, CHUNK, dim=2).load(k_operand))
+            scores = mma_v2(low, q0, zero) * _pick(s0, s1, s2, s3, 0).to(gl.float32)[:, :, None]
+            scores += mma_v2(high, _pick(q0, q1, q2, q3, NC), zero) \
+                * _pick(s0, s1, s2, s3, HALF // GROUP).to(gl.float32)[:, :, None]
+            if NC > 1:
+                low, high = _int4_to_f16(k_buf.slice(CHUNK, CHUNK, dim=2).load(k_operand))
+                scores += mma_v2(low, q1, zero) * _pick(s0, s1, s2, s3, CHUNK // GROUP).to(gl.float32)[:, :, None]
+                scores += mma_v2(high, q3, zero) \
+                    * _pick(s0, s1, s2, s3, (HALF + CHUNK) // GROUP).to(gl.float32)[:, :, None]
+        else:
+            scores = mma_v2(_to_f16(k_buf.load(k_operand), FORMAT), q0, zero) * s0.to(gl.float32)[:, :, None]
+        return scores
+
+    @gluon.jit
+    def _chunk_update(v_stage, weights, top, DIM0: gl.constexpr, CHUNK: gl.constexpr, v_operand: gl.constexpr,
+                      zero):
+        """out^T [WARPS, CHUNK, 8] update of dims DIM0 .. DIM0 + CHUNK from the staged fp16 values."""
+        values = v_stage.slice(DIM0, CHUNK, dim=2).permute([0, 2, 1]).load(v_operand)
+        return mma_v2(values, weights, zero) * top[:, None, None]
+
+    @gluon.jit
+    def _scaled_weights(probs, scales, p_operand: gl.constexpr):
+        """(p * s / max s in fp16 as the dot's operand, max s) per warp: the probabilities times each
+        position's value scale, divided by the warp's largest (so fp16 keeps them in [0, 1])."""
+        value_scales = scales.to(gl.float32)
+        top = gl.maximum(gl.max(value_scales, axis=1), 1e-30)
+        weights = gl.convert_layout((probs * (value_scales / top[:, None])[:, :, None]).to(gl.float16), p_operand)
+        return weights, top
+
+    @gluon.jit
+    def _store_chunk(acc, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                     out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
+                     DIM0: gl.constexpr, CHUNK: gl.constexpr, GROUP: gl.constexpr, HEADS: gl.constexpr,
+                     mma: gl.constexpr):
+        """Merge one accumulator chunk across warps and store dims DIM0 .. DIM0 + CHUNK of the output
+        (or of this split's partial output)."""
+        out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+        merged = gl.sum(acc * factors[:, None, :], axis=0)
+        result = merged / gl.convert_layout(safe_sum, gl.SliceLayout(0, out_layout))[None, :]
+        dims = DIM0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, out_layout))
+        groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
+        heads = kv_head * GROUP + groups
+        group_mask = groups < GROUP
+        if write_final != 0:
+            gl.store(out_ptr + seq * out_stride_seq + heads[None, :] * out_stride_head + dims[:, None],
+                     result.to(out_ptr.dtype.element_ty), mask=group_mask[None, :])
+        else:
+            gl.store(partial_out_ptr + seq * partial_stride_seq + heads[None, :] * partial_stride_head
+                     + split * partial_stride_split + dims[:, None], result, mask=group_mask[None, :])
 
     @gluon.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
     def _decode_split_pipelined_kernel(
@@ -104,11 +222,19 @@ if HAVE_GLUON:
             lse_stride_seq, lse_stride_head,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr,
             MIN_SPLIT_TOKENS: gl.constexpr, K_FORMAT: gl.constexpr, V_FORMAT: gl.constexpr,
-            BLOCK_SIZE: gl.constexpr, PRESCALE: gl.constexpr):
+            K_GROUP: gl.constexpr, V_GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, PRESCALE: gl.constexpr):
         WARPS: gl.constexpr = 4
         SUB: gl.constexpr = TILE // WARPS
         LOG2_BLOCK: gl.constexpr = BLOCK_SIZE.bit_length() - 1
         HEADS: gl.constexpr = 8
+        # Bytes per position and head: both parts 8-bit, or both int4 (two codes per byte: dims j and
+        # HEAD_DIM/2 + j). int4 dots and accumulators go in chunks of CHUNK dims that share a scale.
+        INT4: gl.constexpr = K_FORMAT == 3
+        ROW_BYTES: gl.constexpr = HEAD_DIM // 2 if INT4 else HEAD_DIM
+        K_CHUNK: gl.constexpr = min(K_GROUP, ROW_BYTES) if INT4 else HEAD_DIM
+        V_CHUNK: gl.constexpr = min(V_GROUP, ROW_BYTES) if INT4 else HEAD_DIM
+        K_CHUNKS: gl.constexpr = HEAD_DIM // K_CHUNK
+        V_CHUNKS: gl.constexpr = HEAD_DIM // V_CHUNK
         # Every warp runs its own online softmax over its SUB positions of each tile (merged across warps
         # once, at the end), so the loop has no cross-warp reduction. The dots are transposed (keys and
         # values are the M side, the GQA group the N = 8 side of mma.m16n8k16): scores^T [SUB, 8] =
@@ -123,9 +249,9 @@ if HAVE_GLUON:
         v_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
         # Copies and value conversion: 16 codes (16 bytes) per thread and row; warp w copies its rows.
-        copy: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32 * 16 // HEAD_DIM, HEAD_DIM // 16], [WARPS, 1, 1],
+        copy: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32 * 16 // ROW_BYTES, ROW_BYTES // 16], [WARPS, 1, 1],
                                               [2, 1, 0])
-        CHUNKS: gl.constexpr = HEAD_DIM // 16
+        CHUNKS: gl.constexpr = ROW_BYTES // 16
         codes_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=8 // CHUNKS, max_phase=CHUNKS,
                                                             order=[2, 1, 0])
         values_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
@@ -145,19 +271,22 @@ if HAVE_GLUON:
             if start >= context_len:
                 return
 
-        # q^T [D, 8] of the group (heads past GROUP are 0), times PRESCALE (a power of 2) so that any
-        # bf16 value fits fp16, the same for every warp.
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8, 1], [1, 4, 8], [WARPS, 1, 1], [1, 2, 0])
-        q_dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(2, q_layout)))
-        q_heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, gl.SliceLayout(1, q_layout)))
-        q_warps = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, q_layout)))
-        q_ptrs = (query_ptr + seq * query_stride_seq + q_warps[:, None, None] * 0
-                  + (kv_head * GROUP + q_heads)[None, None, :] * query_stride_head + q_dims[None, :, None])
-        q = gl.load(q_ptrs, mask=(q_heads < GROUP)[None, None, :], other=0.0)
-        q = gl.convert_layout((q.to(gl.float32) * PRESCALE).to(gl.float16), q_operand)
+        q_base = query_ptr + seq * query_stride_seq
+        q0 = _query_chunk(q_base, query_stride_head, kv_head, 0, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE, q_operand)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if K_CHUNKS > 1:
+            q1 = _query_chunk(q_base, query_stride_head, kv_head, K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE,
+                              q_operand)
+        if K_CHUNKS > 2:
+            q2 = _query_chunk(q_base, query_stride_head, kv_head, 2 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                              PRESCALE, q_operand)
+            q3 = _query_chunk(q_base, query_stride_head, kv_head, 3 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                              PRESCALE, q_operand)
 
-        k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, WARPS, SUB, HEAD_DIM], codes_smem)
-        v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, WARPS, SUB, HEAD_DIM], codes_smem)
+        k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
+        v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
         v_stage = gl.allocate_shared_memory(gl.float16, [WARPS, SUB, HEAD_DIM], values_smem)
 
         table_row = block_tables_ptr + seq * block_table_stride_seq
@@ -165,6 +294,8 @@ if HAVE_GLUON:
         v_head = kv_head * v_stride_head
         ks_head = kv_head * ks_stride_head
         vs_head = kv_head * vs_stride_head
+        K_GROUPS: gl.constexpr = HEAD_DIM // K_GROUP
+        V_GROUPS: gl.constexpr = HEAD_DIM // V_GROUP
 
         # Prologue: tiles 0 .. STAGES-2 in flight, one commit group each.
         for s in gl.static_range(STAGES - 1):
@@ -172,30 +303,34 @@ if HAVE_GLUON:
             blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
             _issue_tile(k_ptr, v_ptr, k_bufs.index(s), v_bufs.index(s), blocks, positions, end,
                         k_stride_block, k_stride_token, k_head, v_stride_block, v_stride_token, v_head,
-                        HEAD_DIM, BLOCK_SIZE, copy)
+                        ROW_BYTES, BLOCK_SIZE, copy)
             async_copy.commit_group()
         copy_blocks = _block_ids(table_row, _tile_positions(start + (STAGES - 1) * TILE, WARPS, SUB, rows), end,
                                  LOG2_BLOCK)
         positions = _tile_positions(start, WARPS, SUB, token_rows)
         scale_blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
-        ks = _token_scales(k_scales_ptr, scale_blocks, positions, end, ks_stride_block, ks_stride_token, ks_head,
-                           BLOCK_SIZE)
-        vs = _token_scales(v_scales_ptr, scale_blocks, positions, end, vs_stride_block, vs_stride_token, vs_head,
-                           BLOCK_SIZE)
+        ks0, ks1, ks2, ks3 = _group_scales(k_scales_ptr, scale_blocks, positions, end, ks_stride_block,
+                                           ks_stride_token, ks_head, K_GROUPS, BLOCK_SIZE)
+        vs0, vs1, vs2, vs3 = _group_scales(v_scales_ptr, scale_blocks, positions, end, vs_stride_block,
+                                           vs_stride_token, vs_head, V_GROUPS, BLOCK_SIZE)
         scale_blocks = _block_ids(table_row, positions + TILE, end, LOG2_BLOCK)
 
         running_max = gl.full([WARPS, HEADS], float("-inf"), gl.float32, layout=head_cols)
         running_sum = gl.zeros([WARPS, HEADS], gl.float32, layout=head_cols)
-        acc = gl.zeros([WARPS, HEAD_DIM, HEADS], gl.float32, layout=mma)
+        acc0 = gl.zeros([WARPS, V_CHUNK, HEADS], gl.float32, layout=mma)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        score_zero = gl.zeros([WARPS, SUB, HEADS], gl.float32, layout=mma)
         num_tiles = (end - start + TILE - 1) // TILE
         for index in range(num_tiles):
             tile_start = start + index * TILE
             positions = _tile_positions(tile_start, WARPS, SUB, token_rows)
             # Loads for later tiles first: nothing below waits on them in this iteration.
-            next_ks = _token_scales(k_scales_ptr, scale_blocks, positions + TILE, end, ks_stride_block,
-                                    ks_stride_token, ks_head, BLOCK_SIZE)
-            next_vs = _token_scales(v_scales_ptr, scale_blocks, positions + TILE, end, vs_stride_block,
-                                    vs_stride_token, vs_head, BLOCK_SIZE)
+            nks0, nks1, nks2, nks3 = _group_scales(k_scales_ptr, scale_blocks, positions + TILE, end, ks_stride_block,
+                                                   ks_stride_token, ks_head, K_GROUPS, BLOCK_SIZE)
+            nvs0, nvs1, nvs2, nvs3 = _group_scales(v_scales_ptr, scale_blocks, positions + TILE, end, vs_stride_block,
+                                                   vs_stride_token, vs_head, V_GROUPS, BLOCK_SIZE)
             scale_blocks = _block_ids(table_row, positions + 2 * TILE, end, LOG2_BLOCK)
             # This tile's copies are done (this thread's), then every thread's are, and every thread has
             # finished reading the slot the next copies overwrite (the previous iteration's).
@@ -205,15 +340,14 @@ if HAVE_GLUON:
             ahead = _tile_positions(tile_start + (STAGES - 1) * TILE, WARPS, SUB, rows)
             _issue_tile(k_ptr, v_ptr, k_bufs.index(slot_ahead), v_bufs.index(slot_ahead), copy_blocks, ahead, end,
                         k_stride_block, k_stride_token, k_head, v_stride_block, v_stride_token, v_head,
-                        HEAD_DIM, BLOCK_SIZE, copy)
+                        ROW_BYTES, BLOCK_SIZE, copy)
             async_copy.commit_group()
             copy_blocks = _block_ids(table_row, ahead + TILE, end, LOG2_BLOCK)
 
             slot = index % STAGES
-            keys = _to_f16(k_bufs.index(slot).load(k_operand), K_FORMAT)
-            scores = mma_v2(keys, q, gl.zeros([WARPS, SUB, HEADS], gl.float32, layout=mma))
-            scores = gl.where((positions < end)[:, :, None],
-                              scores * (ks.to(gl.float32) * key_scale_log2)[:, :, None], float("-inf"))
+            scores = _key_scores(k_bufs.index(slot), q0, q1, q2, q3, ks0, ks1, ks2, ks3, K_FORMAT, K_GROUP,
+                                 HEAD_DIM, K_CHUNK, k_operand, score_zero)
+            scores = gl.where((positions < end)[:, :, None], scores * key_scale_log2, float("-inf"))
             new_max = gl.maximum(running_max, gl.max(scores, axis=1))
             # A warp with no position yet (all of its positions past `end`) keeps max -inf; exp2(-inf - -inf)
             # would be NaN, so it subtracts 0 instead (its probabilities are exp2(-inf) = 0).
@@ -222,19 +356,52 @@ if HAVE_GLUON:
             probs = gl.exp2(scores - safe_max[:, None, :])
             running_sum = running_sum * rescale + gl.sum(probs, axis=1)
             running_max = new_max
+            rescale = rescale[:, None, :]
 
-            values = _to_f16(v_bufs.index(slot).load(copy), V_FORMAT)
-            v_stage.store(values)
+            if INT4:
+                low, high = _int4_to_f16(v_bufs.index(slot).load(copy))
+                v_stage.slice(0, ROW_BYTES, dim=2).store(low)
+                v_stage.slice(ROW_BYTES, ROW_BYTES, dim=2).store(high)
+            else:
+                v_stage.store(_to_f16(v_bufs.index(slot).load(copy), V_FORMAT))
             gl.thread_barrier()
-            value_scales = vs.to(gl.float32)
-            top = gl.maximum(gl.max(value_scales, axis=1), 1e-30)
-            weights = gl.convert_layout((probs * (value_scales / top[:, None])[:, :, None]).to(gl.float16),
-                                        p_operand)
-            update = mma_v2(v_stage.permute([0, 2, 1]).load(v_operand), weights,
-                            gl.zeros([WARPS, HEAD_DIM, HEADS], gl.float32, layout=mma))
-            acc = acc * rescale[:, None, :] + update * top[:, None, None]
-            ks = next_ks
-            vs = next_vs
+            weights0, top0 = _scaled_weights(probs, vs0, p_operand)
+            weights1 = weights0
+            top1 = top0
+            weights2 = weights0
+            top2 = top0
+            weights3 = weights0
+            top3 = top0
+            if V_GROUPS > 1:
+                weights1, top1 = _scaled_weights(probs, vs1, p_operand)
+            if V_GROUPS > 2:
+                weights2, top2 = _scaled_weights(probs, vs2, p_operand)
+                weights3, top3 = _scaled_weights(probs, vs3, p_operand)
+            zero = gl.zeros([WARPS, V_CHUNK, HEADS], gl.float32, layout=mma)
+            acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, 0, V_CHUNK, v_operand, zero)
+            if V_CHUNKS > 1:
+                acc1 = acc1 * rescale + _chunk_update(
+                    v_stage, _pick(weights0, weights1, weights2, weights3, V_CHUNK // V_GROUP),
+                    _pick(top0, top1, top2, top3, V_CHUNK // V_GROUP), V_CHUNK, V_CHUNK, v_operand, zero)
+            if V_CHUNKS > 2:
+                acc2 = acc2 * rescale + _chunk_update(
+                    v_stage, _pick(weights0, weights1, weights2, weights3, 2 * V_CHUNK // V_GROUP),
+                    _pick(top0, top1, top2, top3, 2 * V_CHUNK // V_GROUP), 2 * V_CHUNK, V_CHUNK, v_operand, zero)
+                acc3 = acc3 * rescale + _chunk_update(
+                    v_stage, _pick(weights0, weights1, weights2, weights3, 3 * V_CHUNK // V_GROUP),
+                    _pick(top0, top1, top2, top3, 3 * V_CHUNK // V_GROUP), 3 * V_CHUNK, V_CHUNK, v_operand, zero)
+            ks0 = nks0
+            vs0 = nvs0
+            if K_GROUPS > 1:
+                ks1 = nks1
+            if K_GROUPS > 2:
+                ks2 = nks2
+                ks3 = nks3
+            if V_GROUPS > 1:
+                vs1 = nvs1
+            if V_GROUPS > 2:
+                vs2 = nvs2
+                vs3 = nvs3
         async_copy.wait_group(0)
 
         # Merge the warps' states: each warp's sum and accumulator rescaled to the common maximum.
@@ -242,21 +409,24 @@ if HAVE_GLUON:
         safe_max = gl.where(total_max == float("-inf"), 0.0, total_max)
         factors = gl.exp2(running_max - safe_max[None, :])
         total_sum = gl.sum(running_sum * factors, axis=0)
-        merged = gl.sum(acc * gl.convert_layout(factors, head_cols)[:, None, :], axis=0)
+        factors = gl.convert_layout(factors, head_cols)
         # A row that saw no position (only for context_len == 0) has sum 0 and acc 0 -> 0.
         safe_sum = gl.where(total_sum > 0, total_sum, 1.0)
-        out_layout: gl.constexpr = gl.SliceLayout(0, mma)
-        result = merged / gl.convert_layout(safe_sum, gl.SliceLayout(0, out_layout))[None, :]
-        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, out_layout))
-        groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
-        heads = kv_head * GROUP + groups
-        group_mask = groups < GROUP
-        if write_final != 0:
-            gl.store(out_ptr + seq * out_stride_seq + heads[None, :] * out_stride_head + dims[:, None],
-                     result.to(out_ptr.dtype.element_ty), mask=group_mask[None, :])
-        else:
-            gl.store(partial_out_ptr + seq * partial_stride_seq + heads[None, :] * partial_stride_head
-                     + split * partial_stride_split + dims[:, None], result, mask=group_mask[None, :])
+        _store_chunk(acc0, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                     out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
+                     0, V_CHUNK, GROUP, HEADS, mma)
+        if V_CHUNKS > 1:
+            _store_chunk(acc1, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                         partial_stride_split, V_CHUNK, V_CHUNK, GROUP, HEADS, mma)
+        if V_CHUNKS > 2:
+            _store_chunk(acc2, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                         partial_stride_split, 2 * V_CHUNK, V_CHUNK, GROUP, HEADS, mma)
+            _store_chunk(acc3, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                         partial_stride_split, 3 * V_CHUNK, V_CHUNK, GROUP, HEADS, mma)
+        if write_final == 0:
             lse_groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, head_cols))
             gl.store(partial_lse_ptr + seq * lse_stride_seq + (kv_head * GROUP + lse_groups) * lse_stride_head
                      + split, total_max + gl.log2(safe_sum), mask=lse_groups < GROUP)
@@ -265,8 +435,9 @@ if HAVE_GLUON:
 def pipelined_config() -> DecodeConfig:
     """Launch shape: tiles of 128 positions (32 per warp) and 2 ring slots, so one tile is in flight
     while one is computed. Measured on an H200 at 32k context, batch 32, bf16 queries
-    (benchmarks/results/kv_quant_pipelined_h200.json): faster than tiles of 64 with 2 or 3 slots (4 or
-    3 programs per SM), and than 3 slots under a 128-register cap (spills)."""
+    (benchmarks/results/kv_quant_pipelined_h200.json, kv_quant_pipelined_int4_h200.json): faster than
+    tiles of 64 with 2 or 3 slots, for int8, fp8 and int4, and than 3 slots under a 128-register cap
+    (spills)."""
     return DecodeConfig(tile=128, num_warps=NUM_WARPS, num_stages=2, min_split_tokens=128)
 
 
@@ -293,11 +464,21 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
     if block_size & (block_size - 1):
         return False
     capability = cuda_capability(query.device)
+    if (k_cache.fmt.name == "int4") != (v_cache.fmt.name == "int4"):
+        return False                            # one ring layout: both parts int4, or both 8-bit
     for part in parts:
         fmt = part.fmt
-        if fmt.name not in ("int8", "fp8_e4m3") or fmt.static_scales or part.window is not None:
+        if fmt.name not in ("int8", "fp8_e4m3", "int4") or fmt.static_scales or part.window is not None:
             return False
-        if fmt.group(head_dim) != head_dim or part.scales is None or not _aligned(part.payload):
+        if part.scales is None or not _aligned(part.payload):
+            return False
+        group = min(fmt.group(head_dim), head_dim)
+        if fmt.name == "int4":
+            # Chunks of min(group, head_dim/2) dims share a scale: 1 or 2 per half of the head.
+            chunk = min(group, head_dim // 2)
+            if chunk < 16 or chunk & (chunk - 1) or head_dim // group > 4:
+                return False
+        elif group != head_dim:
             return False
         if fmt.name == "fp8_e4m3" and capability < (8, 9):
             return False
@@ -321,5 +502,6 @@ def launch_pipelined(grid: tuple[int, int, int], query: torch.Tensor, k_cache, v
         *k_cache.scales.stride()[:3], *v_cache.scales.stride()[:3], *partial_strides,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, TILE=config.tile, STAGES=config.num_stages,
         MIN_SPLIT_TOKENS=config.min_split_tokens, K_FORMAT=FORMAT_CODES[k_cache.fmt.name],
-        V_FORMAT=FORMAT_CODES[v_cache.fmt.name], BLOCK_SIZE=k_cache.shape[1], PRESCALE=prescale,
+        V_FORMAT=FORMAT_CODES[v_cache.fmt.name], K_GROUP=min(k_cache.fmt.group(head_dim), head_dim),
+        V_GROUP=min(v_cache.fmt.group(head_dim), head_dim), BLOCK_SIZE=k_cache.shape[1], PRESCALE=prescale,
         num_warps=config.num_warps, **extra)
