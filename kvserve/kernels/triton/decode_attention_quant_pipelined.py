@@ -76,13 +76,6 @@ if HAVE_GLUON:
         return gl.load(table_row + (positions >> LOG2_BLOCK), mask=positions < end, other=0)
 
     @gluon.jit
-    def _token_scales(scales_ptr, blocks, positions, end, stride_block, stride_token, head_offset,
-                      BLOCK_SIZE: gl.constexpr):
-        """fp16 per-token scales of a tile's positions (0 past `end`)."""
-        rows = blocks.to(gl.int64) * stride_block + ((positions & (BLOCK_SIZE - 1)) * stride_token + head_offset)
-        return gl.load(scales_ptr + rows, mask=positions < end, other=0.0)
-
-    @gluon.jit
     def _int4_to_f16(codes):
         """int4 bytes -> (low-nibble codes, high-nibble codes) as exact fp16 values."""
         return gl.inline_asm_elementwise(INT4_TO_F16_PTX, "=r,=r,=r,=r,r", [codes], dtype=(gl.float16, gl.float16),
