@@ -44,6 +44,7 @@ FORMATS = {
     "int4-g32-w128-s4": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 128,
                          "kv_quant_sinks": 4},
     "int4-g64": {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0},
+    "int4-g128": {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0},
     "k-int8/v-fp8": {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
 }
 SHAPES = {"qwen7b": (28, 4, 128), "llama8b": (32, 8, 128)}

@@ -48,3 +48,21 @@ E4M3_TO_F16_PTX = tl.constexpr(
     "}")
 # A bf16 query enters fp16 dots times this (a power of 2: exact), so that no bf16 value overflows.
 BF16_QUERY_PRESCALE = 2.0 ** -8
+# 4 int4 bytes b0..b3 -> 8 fp16 values that still carry an offset, one LOP3 per two: the low nibbles as
+# 1024 + nibble in the order (b0, b2, b1, b3), the high nibbles as 1024 + 16 * nibble in the same order
+# (a nibble ORed under the exponent 0x6400; the high one sits 4 bits up, still inside the mantissa).
+# The offsets are linear, so a kernel removes them after the dot product instead of per value:
+# sum_i w_i (nibble_i - 8) = sum_i w_i x_i - 1032 sum_i w_i (low), (sum_i w_i x_i - 1152 sum_i w_i) / 16
+# (high). The dot's operands are exact and it accumulates in fp32, so the correction cancels exactly up
+# to fp32 rounding of the offset term (~1e-4 of a code step for 32 terms).
+INT4_LOW_OFFSET = tl.constexpr(1032.0)
+INT4_HIGH_OFFSET = tl.constexpr(1152.0)
+INT4_TO_OFFSET_F16_PTX = tl.constexpr(
+    "{\n"
+    ".reg .b32 t;\n"
+    "lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 $2, $4, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "shr.u32 t, $4, 8;\n"
+    "lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 $3, t, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "}")

@@ -41,8 +41,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capability, interpreting
-from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_TO_F16_PTX,
-                                                    INT8_TO_F16_PTX)
+from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_HIGH_OFFSET,
+                                                    INT4_LOW_OFFSET, INT4_TO_OFFSET_F16_PTX, INT8_TO_F16_PTX)
 from kvserve.kernels.triton.decode_attention import DecodeConfig
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
@@ -76,10 +76,17 @@ if HAVE_GLUON:
         return gl.load(table_row + (positions >> LOG2_BLOCK), mask=positions < end, other=0)
 
     @gluon.jit
-    def _int4_to_f16(codes):
-        """int4 bytes -> (low-nibble codes, high-nibble codes) as exact fp16 values."""
-        return gl.inline_asm_elementwise(INT4_TO_F16_PTX, "=r,=r,=r,=r,r", [codes], dtype=(gl.float16, gl.float16),
-                                         is_pure=True, pack=4)
+    def _int4_to_offset_f16(codes):
+        """int4 bytes -> (1024 + low nibble, 1024 + 16 * high nibble) as exact fp16 values, each 4 bytes'
+        worth in the order (b0, b2, b1, b3): see INT4_TO_OFFSET_F16_PTX."""
+        return gl.inline_asm_elementwise(INT4_TO_OFFSET_F16_PTX, "=r,=r,=r,=r,r", [codes],
+                                         dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _int4_order(index):
+        """The code byte (and so the dim) behind element `index` of a converted int4 row: within each
+        4, elements 1 and 2 swap (an involution, so it also maps dims back to elements)."""
+        return (index & -4) | ((index & 1) << 1) | ((index >> 1) & 1)
 
     @gluon.jit
     def _pick(x0, x1, x2, x3, INDEX: gl.constexpr):
@@ -113,85 +120,122 @@ if HAVE_GLUON:
     def _group_scales(scales_ptr, blocks, positions, end, stride_block, stride_token, head_offset,
                       NUM_GROUPS: gl.constexpr, BLOCK_SIZE: gl.constexpr):
         """fp16 [WARPS, SUB] scales of each of a tile's (up to 4) scale groups (0 past `end`; entries
-        past NUM_GROUPS repeat the first)."""
+        past NUM_GROUPS repeat the first). A position's 2 or 4 scales are adjacent (and aligned:
+        pipelined_supported), so they come in one 4- or 8-byte load and are split in registers."""
         rows = blocks.to(gl.int64) * stride_block + ((positions & (BLOCK_SIZE - 1)) * stride_token + head_offset)
         valid = positions < end
-        s0 = gl.load(scales_ptr + rows, mask=valid, other=0.0)
-        s1 = s0
-        s2 = s0
-        s3 = s0
-        if NUM_GROUPS > 1:
-            s1 = gl.load(scales_ptr + rows + 1, mask=valid, other=0.0)
-        if NUM_GROUPS > 2:
-            s2 = gl.load(scales_ptr + rows + 2, mask=valid, other=0.0)
-            s3 = gl.load(scales_ptr + rows + 3, mask=valid, other=0.0)
+        if NUM_GROUPS == 1:
+            s0 = gl.load(scales_ptr + rows, mask=valid, other=0.0)
+            s1 = s0
+            s2 = s0
+            s3 = s0
+        elif NUM_GROUPS == 2:
+            both = gl.load(scales_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (rows >> 1), mask=valid, other=0)
+            s0 = both.to(gl.int16).to(gl.float16, bitcast=True)
+            s1 = (both >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+            s2 = s0
+            s3 = s0
+        else:
+            lo = gl.load(scales_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (rows >> 1), mask=valid, other=0)
+            hi = gl.load(scales_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (rows >> 1) + 1, mask=valid, other=0)
+            s0 = lo.to(gl.int16).to(gl.float16, bitcast=True)
+            s1 = (lo >> 16).to(gl.int16).to(gl.float16, bitcast=True)
+            s2 = hi.to(gl.int16).to(gl.float16, bitcast=True)
+            s3 = (hi >> 16).to(gl.int16).to(gl.float16, bitcast=True)
         return s0, s1, s2, s3
 
     @gluon.jit
     def _query_chunk(q_base, query_stride_head, kv_head, DIM0: gl.constexpr, WIDTH: gl.constexpr,
                      GROUP: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr, PRESCALE: gl.constexpr,
-                     operand: gl.constexpr):
-        """q^T [WIDTH, 8] of the group over dims DIM0 .. DIM0 + WIDTH (heads past GROUP are 0), times
-        PRESCALE (a power of 2, so that any bf16 value fits fp16), the same for every warp."""
+                     INT4: gl.constexpr, operand: gl.constexpr, sums: gl.constexpr):
+        """(q^T [WIDTH, 8] of the group over dims DIM0 .. DIM0 + WIDTH (heads past GROUP are 0), times
+        PRESCALE (a power of 2, so that any bf16 value fits fp16), the same for every warp; its fp32 sum
+        over the dims, per head, in layout `sums`). For int4 keys the dims follow the converted codes'
+        order (_int4_order)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8, 1], [1, 4, 8], [WARPS, 1, 1], [1, 2, 0])
         dims = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        if INT4:
+            dims = _int4_order(dims)
         heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         warps = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
         ptrs = (q_base + warps[:, None, None] * 0 + (kv_head * GROUP + heads)[None, None, :] * query_stride_head
                 + (DIM0 + dims)[None, :, None])
-        q = gl.load(ptrs, mask=(heads < GROUP)[None, None, :], other=0.0)
-        return gl.convert_layout((q.to(gl.float32) * PRESCALE).to(gl.float16), operand)
+        q = (gl.load(ptrs, mask=(heads < GROUP)[None, None, :], other=0.0).to(gl.float32) * PRESCALE).to(gl.float16)
+        return gl.convert_layout(q, operand), gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), sums)
 
     @gluon.jit
-    def _key_scores(k_buf, q0, q1, q2, q3, s0, s1, s2, s3, FORMAT: gl.constexpr, GROUP: gl.constexpr,
-                    HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr, k_operand: gl.constexpr, zero):
+    def _offset_dot(codes, q, q_sum, OFFSET: gl.constexpr, zero):
+        """codes . q minus OFFSET * sum(q): the dot of offset int4 codes (_int4_to_offset_f16) with the
+        offset removed, which enters as the dot's initial accumulator (no instruction per value)."""
+        return mma_v2(codes, q, zero - OFFSET * q_sum[:, None, :])
+
+    @gluon.jit
+    def _key_scores(k_buf, q0, q1, q2, q3, qs0, qs1, qs2, qs3, s0, s1, s2, s3, FORMAT: gl.constexpr,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr, k_operand: gl.constexpr, zero):
         """[WARPS, SUB, 8] scores^T (q . k, key scales applied) of the tile in one ring slot. 8-bit:
         one dot over the whole head; int4: per chunk of CHUNK bytes, a dot for its low nibbles (dims
         c*CHUNK ..) and one for its high nibbles (dims HEAD_DIM/2 + c*CHUNK ..), each times its
-        group's per-token scale."""
+        group's per-token scale (/16 for the high nibbles, which convert as 16 * nibble)."""
         if FORMAT == 3:
             HALF: gl.constexpr = HEAD_DIM // 2
             NC: gl.constexpr = HALF // CHUNK
-            low, high = _int4_to_f16(k_buf.slice(0, CHUNK, dim=2).load(k_operand))
-            scores = mma_v2(low, q0, zero) * _pick(s0, s1, s2, s3, 0).to(gl.float32)[:, :, None]
-            scores += mma_v2(high, _pick(q0, q1, q2, q3, NC), zero) \
-                * _pick(s0, s1, s2, s3, HALF // GROUP).to(gl.float32)[:, :, None]
+            low, high = _int4_to_offset_f16(k_buf.slice(0, CHUNK, dim=2).load(k_operand))
+            scores = _offset_dot(low, q0, qs0, INT4_LOW_OFFSET, zero) \
+                * _pick(s0, s1, s2, s3, 0).to(gl.float32)[:, :, None]
+            scores += _offset_dot(high, _pick(q0, q1, q2, q3, NC), _pick(qs0, qs1, qs2, qs3, NC), INT4_HIGH_OFFSET,
+                                  zero) * (_pick(s0, s1, s2, s3, HALF // GROUP).to(gl.float32) * 0.0625)[:, :, None]
             if NC > 1:
-                low, high = _int4_to_f16(k_buf.slice(CHUNK, CHUNK, dim=2).load(k_operand))
-                scores += mma_v2(low, q1, zero) * _pick(s0, s1, s2, s3, CHUNK // GROUP).to(gl.float32)[:, :, None]
-                scores += mma_v2(high, q3, zero) \
-                    * _pick(s0, s1, s2, s3, (HALF + CHUNK) // GROUP).to(gl.float32)[:, :, None]
+                low, high = _int4_to_offset_f16(k_buf.slice(CHUNK, CHUNK, dim=2).load(k_operand))
+                scores += _offset_dot(low, q1, qs1, INT4_LOW_OFFSET, zero) \
+                    * _pick(s0, s1, s2, s3, CHUNK // GROUP).to(gl.float32)[:, :, None]
+                scores += _offset_dot(high, q3, qs3, INT4_HIGH_OFFSET, zero) \
+                    * (_pick(s0, s1, s2, s3, (HALF + CHUNK) // GROUP).to(gl.float32) * 0.0625)[:, :, None]
         else:
             scores = mma_v2(_to_f16(k_buf.load(k_operand), FORMAT), q0, zero) * s0.to(gl.float32)[:, :, None]
         return scores
 
     @gluon.jit
-    def _chunk_update(v_stage, weights, top, DIM0: gl.constexpr, CHUNK: gl.constexpr, v_operand: gl.constexpr,
-                      zero):
-        """out^T [WARPS, CHUNK, 8] update of dims DIM0 .. DIM0 + CHUNK from the staged fp16 values."""
+    def _chunk_update(v_stage, weights, top, weight_sum, DIM0: gl.constexpr, CHUNK: gl.constexpr,
+                      INT4: gl.constexpr, HALF: gl.constexpr, v_operand: gl.constexpr, zero):
+        """out^T [WARPS, CHUNK, 8] update of dims DIM0 .. DIM0 + CHUNK from the staged fp16 values (int4:
+        offset codes, whose offset goes with the weights' sum)."""
         values = v_stage.slice(DIM0, CHUNK, dim=2).permute([0, 2, 1]).load(v_operand)
-        return mma_v2(values, weights, zero) * top[:, None, None]
+        if INT4:
+            if DIM0 < HALF:
+                update = _offset_dot(values, weights, weight_sum, INT4_LOW_OFFSET, zero) * top[:, None, None]
+            else:
+                update = _offset_dot(values, weights, weight_sum, INT4_HIGH_OFFSET, zero) \
+                    * (top * 0.0625)[:, None, None]
+        else:
+            update = mma_v2(values, weights, zero) * top[:, None, None]
+        return update
 
     @gluon.jit
-    def _scaled_weights(probs, scales, p_operand: gl.constexpr):
-        """(p * s / max s in fp16 as the dot's operand, max s) per warp: the probabilities times each
-        position's value scale, divided by the warp's largest (so fp16 keeps them in [0, 1])."""
+    def _scaled_weights(probs, scales, INT4: gl.constexpr, p_operand: gl.constexpr):
+        """(p * s / max s in fp16 as the dot's operand, max s, and for int4 the fp16 weights' sum over
+        the positions) per warp: the probabilities times each position's value scale, divided by the
+        warp's largest (so fp16 keeps them in [0, 1])."""
         value_scales = scales.to(gl.float32)
         top = gl.maximum(gl.max(value_scales, axis=1), 1e-30)
-        weights = gl.convert_layout((probs * (value_scales / top[:, None])[:, :, None]).to(gl.float16), p_operand)
-        return weights, top
+        weights = (probs * (value_scales / top[:, None])[:, :, None]).to(gl.float16)
+        weight_sum = top
+        if INT4:
+            weight_sum = gl.sum(weights.to(gl.float32), axis=1)
+        return gl.convert_layout(weights, p_operand), top, weight_sum
 
     @gluon.jit
     def _store_chunk(acc, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
                      out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
                      DIM0: gl.constexpr, CHUNK: gl.constexpr, GROUP: gl.constexpr, HEADS: gl.constexpr,
-                     mma: gl.constexpr):
+                     INT4: gl.constexpr, mma: gl.constexpr):
         """Merge one accumulator chunk across warps and store dims DIM0 .. DIM0 + CHUNK of the output
-        (or of this split's partial output)."""
+        (or of this split's partial output); int4 rows hold the dims in the converted codes' order."""
         out_layout: gl.constexpr = gl.SliceLayout(0, mma)
         merged = gl.sum(acc * factors[:, None, :], axis=0)
         result = merged / gl.convert_layout(safe_sum, gl.SliceLayout(0, out_layout))[None, :]
         dims = DIM0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, out_layout))
+        if INT4:
+            dims = _int4_order(dims)
         groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
         heads = kv_head * GROUP + groups
         group_mask = groups < GROUP
@@ -265,18 +309,19 @@ if HAVE_GLUON:
                 return
 
         q_base = query_ptr + seq * query_stride_seq
-        q0 = _query_chunk(q_base, query_stride_head, kv_head, 0, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE, q_operand)
-        q1 = q0
-        q2 = q0
-        q3 = q0
+        q0, qs0 = _query_chunk(q_base, query_stride_head, kv_head, 0, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE, INT4,
+                               q_operand, head_cols)
+        q1, qs1 = q0, qs0
+        q2, qs2 = q0, qs0
+        q3, qs3 = q0, qs0
         if K_CHUNKS > 1:
-            q1 = _query_chunk(q_base, query_stride_head, kv_head, K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE,
-                              q_operand)
+            q1, qs1 = _query_chunk(q_base, query_stride_head, kv_head, K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                                   PRESCALE, INT4, q_operand, head_cols)
         if K_CHUNKS > 2:
-            q2 = _query_chunk(q_base, query_stride_head, kv_head, 2 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
-                              PRESCALE, q_operand)
-            q3 = _query_chunk(q_base, query_stride_head, kv_head, 3 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
-                              PRESCALE, q_operand)
+            q2, qs2 = _query_chunk(q_base, query_stride_head, kv_head, 2 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                                   PRESCALE, INT4, q_operand, head_cols)
+            q3, qs3 = _query_chunk(q_base, query_stride_head, kv_head, 3 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                                   PRESCALE, INT4, q_operand, head_cols)
 
         k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
         v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
@@ -306,8 +351,6 @@ if HAVE_GLUON:
                                            ks_stride_token, ks_head, K_GROUPS, BLOCK_SIZE)
         vs0, vs1, vs2, vs3 = _group_scales(v_scales_ptr, scale_blocks, positions, end, vs_stride_block,
                                            vs_stride_token, vs_head, V_GROUPS, BLOCK_SIZE)
-        scale_blocks = _block_ids(table_row, positions + TILE, end, LOG2_BLOCK)
-
         running_max = gl.full([WARPS, HEADS], float("-inf"), gl.float32, layout=head_cols)
         running_sum = gl.zeros([WARPS, HEADS], gl.float32, layout=head_cols)
         acc0 = gl.zeros([WARPS, V_CHUNK, HEADS], gl.float32, layout=mma)
@@ -315,6 +358,7 @@ if HAVE_GLUON:
         acc2 = acc0
         acc3 = acc0
         score_zero = gl.zeros([WARPS, SUB, HEADS], gl.float32, layout=mma)
+        scale_blocks = _block_ids(table_row, positions + TILE, end, LOG2_BLOCK)
         num_tiles = (end - start + TILE - 1) // TILE
         for index in range(num_tiles):
             tile_start = start + index * TILE
@@ -338,8 +382,8 @@ if HAVE_GLUON:
             copy_blocks = _block_ids(table_row, ahead + TILE, end, LOG2_BLOCK)
 
             slot = index % STAGES
-            scores = _key_scores(k_bufs.index(slot), q0, q1, q2, q3, ks0, ks1, ks2, ks3, K_FORMAT, K_GROUP,
-                                 HEAD_DIM, K_CHUNK, k_operand, score_zero)
+            scores = _key_scores(k_bufs.index(slot), q0, q1, q2, q3, qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3,
+                                 K_FORMAT, K_GROUP, HEAD_DIM, K_CHUNK, k_operand, score_zero)
             scores = gl.where((positions < end)[:, :, None], scores * key_scale_log2, float("-inf"))
             new_max = gl.maximum(running_max, gl.max(scores, axis=1))
             # A warp with no position yet (all of its positions past `end`) keeps max -inf; exp2(-inf - -inf)
@@ -352,37 +396,39 @@ if HAVE_GLUON:
             rescale = rescale[:, None, :]
 
             if INT4:
-                low, high = _int4_to_f16(v_bufs.index(slot).load(copy))
+                low, high = _int4_to_offset_f16(v_bufs.index(slot).load(copy))
                 v_stage.slice(0, ROW_BYTES, dim=2).store(low)
                 v_stage.slice(ROW_BYTES, ROW_BYTES, dim=2).store(high)
             else:
                 v_stage.store(_to_f16(v_bufs.index(slot).load(copy), V_FORMAT))
             gl.thread_barrier()
-            weights0, top0 = _scaled_weights(probs, vs0, p_operand)
-            weights1 = weights0
-            top1 = top0
-            weights2 = weights0
-            top2 = top0
-            weights3 = weights0
-            top3 = top0
+            weights0, top0, wsum0 = _scaled_weights(probs, vs0, INT4, p_operand)
+            weights1, top1, wsum1 = weights0, top0, wsum0
+            weights2, top2, wsum2 = weights0, top0, wsum0
+            weights3, top3, wsum3 = weights0, top0, wsum0
             if V_GROUPS > 1:
-                weights1, top1 = _scaled_weights(probs, vs1, p_operand)
+                weights1, top1, wsum1 = _scaled_weights(probs, vs1, INT4, p_operand)
             if V_GROUPS > 2:
-                weights2, top2 = _scaled_weights(probs, vs2, p_operand)
-                weights3, top3 = _scaled_weights(probs, vs3, p_operand)
+                weights2, top2, wsum2 = _scaled_weights(probs, vs2, INT4, p_operand)
+                weights3, top3, wsum3 = _scaled_weights(probs, vs3, INT4, p_operand)
             zero = gl.zeros([WARPS, V_CHUNK, HEADS], gl.float32, layout=mma)
-            acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, 0, V_CHUNK, v_operand, zero)
+            HALF: gl.constexpr = HEAD_DIM // 2
+            acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, wsum0, 0, V_CHUNK, INT4, HALF, v_operand,
+                                                  zero)
             if V_CHUNKS > 1:
+                G1: gl.constexpr = V_CHUNK // V_GROUP
                 acc1 = acc1 * rescale + _chunk_update(
-                    v_stage, _pick(weights0, weights1, weights2, weights3, V_CHUNK // V_GROUP),
-                    _pick(top0, top1, top2, top3, V_CHUNK // V_GROUP), V_CHUNK, V_CHUNK, v_operand, zero)
+                    v_stage, _pick(weights0, weights1, weights2, weights3, G1), _pick(top0, top1, top2, top3, G1),
+                    _pick(wsum0, wsum1, wsum2, wsum3, G1), V_CHUNK, V_CHUNK, INT4, HALF, v_operand, zero)
             if V_CHUNKS > 2:
+                G2: gl.constexpr = 2 * V_CHUNK // V_GROUP
+                G3: gl.constexpr = 3 * V_CHUNK // V_GROUP
                 acc2 = acc2 * rescale + _chunk_update(
-                    v_stage, _pick(weights0, weights1, weights2, weights3, 2 * V_CHUNK // V_GROUP),
-                    _pick(top0, top1, top2, top3, 2 * V_CHUNK // V_GROUP), 2 * V_CHUNK, V_CHUNK, v_operand, zero)
+                    v_stage, _pick(weights0, weights1, weights2, weights3, G2), _pick(top0, top1, top2, top3, G2),
+                    _pick(wsum0, wsum1, wsum2, wsum3, G2), 2 * V_CHUNK, V_CHUNK, INT4, HALF, v_operand, zero)
                 acc3 = acc3 * rescale + _chunk_update(
-                    v_stage, _pick(weights0, weights1, weights2, weights3, 3 * V_CHUNK // V_GROUP),
-                    _pick(top0, top1, top2, top3, 3 * V_CHUNK // V_GROUP), 3 * V_CHUNK, V_CHUNK, v_operand, zero)
+                    v_stage, _pick(weights0, weights1, weights2, weights3, G3), _pick(top0, top1, top2, top3, G3),
+                    _pick(wsum0, wsum1, wsum2, wsum3, G3), 3 * V_CHUNK, V_CHUNK, INT4, HALF, v_operand, zero)
             ks0 = nks0
             vs0 = nvs0
             if K_GROUPS > 1:
@@ -407,18 +453,18 @@ if HAVE_GLUON:
         safe_sum = gl.where(total_sum > 0, total_sum, 1.0)
         _store_chunk(acc0, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
                      out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
-                     0, V_CHUNK, GROUP, HEADS, mma)
+                     0, V_CHUNK, GROUP, HEADS, INT4, mma)
         if V_CHUNKS > 1:
             _store_chunk(acc1, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
                          out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, V_CHUNK, V_CHUNK, GROUP, HEADS, mma)
+                         partial_stride_split, V_CHUNK, V_CHUNK, GROUP, HEADS, INT4, mma)
         if V_CHUNKS > 2:
             _store_chunk(acc2, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
                          out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, 2 * V_CHUNK, V_CHUNK, GROUP, HEADS, mma)
+                         partial_stride_split, 2 * V_CHUNK, V_CHUNK, GROUP, HEADS, INT4, mma)
             _store_chunk(acc3, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
                          out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, 3 * V_CHUNK, V_CHUNK, GROUP, HEADS, mma)
+                         partial_stride_split, 3 * V_CHUNK, V_CHUNK, GROUP, HEADS, INT4, mma)
         if write_final == 0:
             lse_groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, head_cols))
             gl.store(partial_lse_ptr + seq * lse_stride_seq + (kv_head * GROUP + lse_groups) * lse_stride_head
@@ -438,6 +484,11 @@ def _aligned(tensor: torch.Tensor) -> bool:
     """16-byte asynchronous copies: rows of codes start on 16-byte boundaries."""
     return (tensor.data_ptr() % 16 == 0 and tensor.stride(3) == 1
             and all(stride * tensor.element_size() % 16 == 0 for stride in tensor.stride()[:3]))
+
+
+def _pairs_aligned(scales: torch.Tensor) -> bool:
+    """Per-group scales come two (4 bytes) at a time: every position's row starts on 4 bytes."""
+    return scales.data_ptr() % 4 == 0 and all(stride % 2 == 0 for stride in scales.stride()[:3])
 
 
 def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
@@ -470,6 +521,8 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
             # Chunks of min(group, head_dim/2) dims share a scale: 1 or 2 per half of the head.
             chunk = min(group, head_dim // 2)
             if chunk < 16 or chunk & (chunk - 1) or head_dim // group > 4:
+                return False
+            if head_dim // group > 1 and not _pairs_aligned(part.scales):
                 return False
         elif group != head_dim:
             return False
