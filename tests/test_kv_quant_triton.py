@@ -230,8 +230,8 @@ def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
 def test_pipelined_decode_declines_what_it_does_not_cover():
-    """Windows, int4 next to an 8-bit part, 8-bit scale groups, groups of more than 8 heads: the Triton
-    kernels serve them."""
+    """Windows, int4 next to an 8-bit part, 8-bit scale groups, int4 groups under 32, groups of more than
+    8 heads: the Triton kernels serve them."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     head_dim, kv_heads = 128, 2
     query = torch.randn(3, 2 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
@@ -239,6 +239,7 @@ def test_pipelined_decode_declines_what_it_does_not_cover():
                     {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "int8", "kv_quant_window": 0,
                      "kv_quant_sinks": 0},
                     {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
+                    {"kv_cache_dtype": "int4", "kv_quant_group_size": 16, "kv_quant_window": 0, "kv_quant_sinks": 0},
                     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto"}):
         spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)
         k_cache, v_cache = spec.allocate(8, 16, torch.device(DEVICE), rows=3)[0]

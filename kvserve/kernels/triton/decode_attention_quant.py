@@ -873,7 +873,7 @@ def _launch_config(kind: str, query, k_cache, v_cache, config: DecodeConfig | No
         return config
     if kind == "pipelined":
         from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_config
-        return pipelined_config()
+        return pipelined_config(int4=k_cache.fmt.name == "int4")
     if kind == "fast":
         return _fast_config(query.shape[2], query.dtype, k_cache, v_cache)
     return default_decode_config(query.shape[2], query.dtype)

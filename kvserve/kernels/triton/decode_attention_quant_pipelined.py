@@ -15,17 +15,30 @@ and the 2-byte per-token scales (too small for an asynchronous copy) one tile ah
 from block ids loaded one iteration earlier still; so no load waits in the iteration that issues it.
 
 What it covers (`pipelined_supported`): K and V each int8 or fp8-e4m3 with dynamic per-token
-scales, or both int4 with dynamic scales per group of 16-128 elements (at most 4 per head); no
-full-precision window; head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries.
-Codes become exact fp16 values by byte permutes under an fp16 exponent (int8, int4) or the packed
+scales, or both int4 with dynamic scales per group of 32-128 elements; no full-precision window;
+head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries.
+
+8-bit codes become exact fp16 values by byte permutes under an fp16 exponent (int8) or the packed
 e4m3x2 -> f16x2 conversion (code_conversion.py); key scales multiply the [positions, group] scores,
 value scales the probabilities (divided by the warp's largest scale in the tile, which multiplies
-the update). An int4 byte holds dims j and head_dim/2 + j: its low and high nibbles go into two
-dots, in chunks of min(group, head_dim/2) dims that share a scale, each with its own accumulator
-on the value side. Keys are read from shared memory straight into the dot's operand registers (4
-consecutive bytes per 32-bit load, converted in place); value codes are converted to fp16 and
+the update). Keys are read from shared memory straight into the dot's operand registers (4
+consecutive bytes per 32-bit load, converted in place); 8-bit value codes are converted to fp16 and
 staged once more in shared memory, because P @ V reduces over positions, which are not adjacent in
 a row of codes.
+
+int4 (a byte holds dims j and head_dim/2 + j) does less per code: one LOP3 turns two nibbles into
+fp16 values that keep an offset (1024 + n, or 1024 + 16n for high nibbles), and the offset leaves
+once per dot, through the dot's initial accumulator (-1032 or -1152 times the sum of the other
+operand), instead of once per value (INT4_TO_OFFSET_F16_PTX). Keys: per chunk of min(group,
+head_dim/2) bytes, a dot for the low nibbles and one for the high, each times its group's scale (the
+query's dims follow the converted codes' order). Values skip the staging: the ring slot is read as
+16-bit byte pairs by transposing loads (ldmatrix.trans), which leaves each thread the same byte pair
+at two consecutive positions, exactly the pair of positions the value dot's operand register holds;
+one LOP3 per two values converts it in place, into four accumulators per 32 code bytes (low/high
+nibbles of even/odd bytes). A group's scale reaches its dots through the probabilities, as for
+8-bit values. Measured on an H200 (32k context, batch 32, Qwen-7B attention;
+benchmarks/results/kv_quant_attention_h200_session11.json): int4 2.09x bf16 with groups of 32, 2.19x
+with groups of 128.
 """
 
 from __future__ import annotations
@@ -195,20 +208,34 @@ if HAVE_GLUON:
         return scores
 
     @gluon.jit
-    def _chunk_update(v_stage, weights, top, weight_sum, DIM0: gl.constexpr, CHUNK: gl.constexpr,
-                      INT4: gl.constexpr, HALF: gl.constexpr, v_operand: gl.constexpr, zero):
-        """out^T [WARPS, CHUNK, 8] update of dims DIM0 .. DIM0 + CHUNK from the staged fp16 values (int4:
-        offset codes, whose offset goes with the weights' sum)."""
-        values = v_stage.slice(DIM0, CHUNK, dim=2).permute([0, 2, 1]).load(v_operand)
-        if INT4:
-            if DIM0 < HALF:
-                update = _offset_dot(values, weights, weight_sum, INT4_LOW_OFFSET, zero) * top[:, None, None]
-            else:
-                update = _offset_dot(values, weights, weight_sum, INT4_HIGH_OFFSET, zero) \
-                    * (top * 0.0625)[:, None, None]
-        else:
-            update = mma_v2(values, weights, zero) * top[:, None, None]
-        return update
+    def _chunk_update(v_stage, weights, top, v_operand: gl.constexpr, zero):
+        """8-bit values: out^T [WARPS, HEAD_DIM, 8] update from the staged fp16 values."""
+        values = v_stage.permute([0, 2, 1]).load(v_operand)
+        return mma_v2(values, weights, zero) * top[:, None, None]
+
+    @gluon.jit
+    def _pair_slice_update(v_pairs, acc_low_even, acc_low_odd, acc_high_even, acc_high_odd, rescale,
+                           low_weights, low_top, low_sum, high_weights, high_top, high_sum, SLICE: gl.constexpr,
+                           v_operand: gl.constexpr, zero):
+        """int4 values, straight from the ring slot: code bytes 32*SLICE .. 32*SLICE + 31 of every position,
+        read as 16-bit pairs by transposing loads (ldmatrix.trans), so a thread's 32-bit register holds
+        one byte pair at two consecutive positions: exactly what one LOP3 per two values turns into the
+        value dot's operand, (position p, p+1) of one dim (INT4_TO_OFFSET_F16_PTX). The four results
+        are the low nibbles of the pairs' even and odd bytes (dims 32*SLICE + 2m and + 2m + 1) and the
+        high nibbles (the same + HEAD_DIM/2), each updating its own [WARPS, 16, 8] accumulator."""
+        codes = v_pairs.slice(16 * SLICE, 16, dim=2).permute([0, 2, 1]).load(v_operand)
+        low_even, low_odd, high_even, high_odd = gl.inline_asm_elementwise(
+            INT4_TO_OFFSET_F16_PTX, "=r,=r,=r,=r,r", [codes], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+            is_pure=True, pack=2)
+        low_top = low_top[:, None, None]
+        high_top = (high_top * 0.0625)[:, None, None]
+        acc_low_even = acc_low_even * rescale + _offset_dot(low_even, low_weights, low_sum, INT4_LOW_OFFSET, zero) * low_top
+        acc_low_odd = acc_low_odd * rescale + _offset_dot(low_odd, low_weights, low_sum, INT4_LOW_OFFSET, zero) * low_top
+        acc_high_even = acc_high_even * rescale \
+            + _offset_dot(high_even, high_weights, high_sum, INT4_HIGH_OFFSET, zero) * high_top
+        acc_high_odd = acc_high_odd * rescale \
+            + _offset_dot(high_odd, high_weights, high_sum, INT4_HIGH_OFFSET, zero) * high_top
+        return acc_low_even, acc_low_odd, acc_high_even, acc_high_odd
 
     @gluon.jit
     def _scaled_weights(probs, scales, INT4: gl.constexpr, p_operand: gl.constexpr):
@@ -226,16 +253,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_chunk(acc, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
                      out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
-                     DIM0: gl.constexpr, CHUNK: gl.constexpr, GROUP: gl.constexpr, HEADS: gl.constexpr,
-                     INT4: gl.constexpr, mma: gl.constexpr):
-        """Merge one accumulator chunk across warps and store dims DIM0 .. DIM0 + CHUNK of the output
-        (or of this split's partial output); int4 rows hold the dims in the converted codes' order."""
+                     DIM0: gl.constexpr, STEP: gl.constexpr, ROWS: gl.constexpr, GROUP: gl.constexpr,
+                     HEADS: gl.constexpr, mma: gl.constexpr):
+        """Merge one accumulator across warps and store its ROWS dims, DIM0 + STEP * row, of the output
+        (or of this split's partial output)."""
         out_layout: gl.constexpr = gl.SliceLayout(0, mma)
         merged = gl.sum(acc * factors[:, None, :], axis=0)
         result = merged / gl.convert_layout(safe_sum, gl.SliceLayout(0, out_layout))[None, :]
-        dims = DIM0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, out_layout))
-        if INT4:
-            dims = _int4_order(dims)
+        dims = DIM0 + STEP * gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
         groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
         heads = kv_head * GROUP + groups
         group_mask = groups < GROUP
@@ -265,13 +290,16 @@ if HAVE_GLUON:
         LOG2_BLOCK: gl.constexpr = BLOCK_SIZE.bit_length() - 1
         HEADS: gl.constexpr = 8
         # Bytes per position and head: both parts 8-bit, or both int4 (two codes per byte: dims j and
-        # HEAD_DIM/2 + j). int4 dots and accumulators go in chunks of CHUNK dims that share a scale.
+        # HEAD_DIM/2 + j). int4 key dots go in chunks of K_CHUNK dims that share a scale; int4 values in
+        # slices of 32 code bytes (one scale group for each nibble half: V_GROUP >= 32), one accumulator
+        # per nibble half and byte parity, [WARPS, 16, 8] each.
         INT4: gl.constexpr = K_FORMAT == 3
-        ROW_BYTES: gl.constexpr = HEAD_DIM // 2 if INT4 else HEAD_DIM
+        HALF: gl.constexpr = HEAD_DIM // 2
+        ROW_BYTES: gl.constexpr = HALF if INT4 else HEAD_DIM
         K_CHUNK: gl.constexpr = min(K_GROUP, ROW_BYTES) if INT4 else HEAD_DIM
-        V_CHUNK: gl.constexpr = min(V_GROUP, ROW_BYTES) if INT4 else HEAD_DIM
         K_CHUNKS: gl.constexpr = HEAD_DIM // K_CHUNK
-        V_CHUNKS: gl.constexpr = HEAD_DIM // V_CHUNK
+        SLICES: gl.constexpr = ROW_BYTES // 32
+        ACC_ROWS: gl.constexpr = 16 if INT4 else HEAD_DIM
         # Every warp runs its own online softmax over its SUB positions of each tile (merged across warps
         # once, at the end), so the loop has no cross-warp reduction. The dots are transposed (keys and
         # values are the M side, the GQA group the N = 8 side of mma.m16n8k16): scores^T [SUB, 8] =
@@ -292,6 +320,9 @@ if HAVE_GLUON:
         codes_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=8 // CHUNKS, max_phase=CHUNKS,
                                                             order=[2, 1, 0])
         values_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+        # The int4 value codes' ring slot seen as 16-bit byte pairs: the same 16-byte swizzle.
+        pairs_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=8 // CHUNKS, max_phase=CHUNKS,
+                                                            order=[2, 1, 0])
         rows: gl.constexpr = gl.SliceLayout(2, copy)           # [WARPS, SUB] positions for the copies
         token_rows: gl.constexpr = gl.SliceLayout(2, mma)      # [WARPS, SUB] positions of the scores
         head_cols: gl.constexpr = gl.SliceLayout(1, mma)       # [WARPS, 8] per-warp softmax state
@@ -325,7 +356,8 @@ if HAVE_GLUON:
 
         k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
         v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
-        v_stage = gl.allocate_shared_memory(gl.float16, [WARPS, SUB, HEAD_DIM], values_smem)
+        if not INT4:
+            v_stage = gl.allocate_shared_memory(gl.float16, [WARPS, SUB, HEAD_DIM], values_smem)
 
         table_row = block_tables_ptr + seq * block_table_stride_seq
         k_head = kv_head * k_stride_head
@@ -353,10 +385,14 @@ if HAVE_GLUON:
                                            vs_stride_token, vs_head, V_GROUPS, BLOCK_SIZE)
         running_max = gl.full([WARPS, HEADS], float("-inf"), gl.float32, layout=head_cols)
         running_sum = gl.zeros([WARPS, HEADS], gl.float32, layout=head_cols)
-        acc0 = gl.zeros([WARPS, V_CHUNK, HEADS], gl.float32, layout=mma)
+        acc0 = gl.zeros([WARPS, ACC_ROWS, HEADS], gl.float32, layout=mma)
         acc1 = acc0
         acc2 = acc0
         acc3 = acc0
+        acc4 = acc0
+        acc5 = acc0
+        acc6 = acc0
+        acc7 = acc0
         score_zero = gl.zeros([WARPS, SUB, HEADS], gl.float32, layout=mma)
         scale_blocks = _block_ids(table_row, positions + TILE, end, LOG2_BLOCK)
         num_tiles = (end - start + TILE - 1) // TILE
@@ -395,40 +431,37 @@ if HAVE_GLUON:
             running_max = new_max
             rescale = rescale[:, None, :]
 
+            weights0, top0, wsum0 = _scaled_weights(probs, vs0, INT4, p_operand)
+            zero = gl.zeros([WARPS, ACC_ROWS, HEADS], gl.float32, layout=mma)
             if INT4:
-                low, high = _int4_to_offset_f16(v_bufs.index(slot).load(copy))
-                v_stage.slice(0, ROW_BYTES, dim=2).store(low)
-                v_stage.slice(ROW_BYTES, ROW_BYTES, dim=2).store(high)
+                weights1, top1, wsum1 = weights0, top0, wsum0
+                weights2, top2, wsum2 = weights0, top0, wsum0
+                weights3, top3, wsum3 = weights0, top0, wsum0
+                if V_GROUPS > 1:
+                    weights1, top1, wsum1 = _scaled_weights(probs, vs1, INT4, p_operand)
+                if V_GROUPS > 2:
+                    weights2, top2, wsum2 = _scaled_weights(probs, vs2, INT4, p_operand)
+                    weights3, top3, wsum3 = _scaled_weights(probs, vs3, INT4, p_operand)
+                v_pairs = v_bufs.index(slot)._reinterpret(gl.int16, [WARPS, SUB, ROW_BYTES // 2], pairs_smem)
+                L0: gl.constexpr = 0
+                H0: gl.constexpr = HALF // V_GROUP
+                acc0, acc1, acc2, acc3 = _pair_slice_update(
+                    v_pairs, acc0, acc1, acc2, acc3, rescale,
+                    _pick(weights0, weights1, weights2, weights3, L0), _pick(top0, top1, top2, top3, L0),
+                    _pick(wsum0, wsum1, wsum2, wsum3, L0), _pick(weights0, weights1, weights2, weights3, H0),
+                    _pick(top0, top1, top2, top3, H0), _pick(wsum0, wsum1, wsum2, wsum3, H0), 0, v_operand, zero)
+                if SLICES > 1:
+                    L1: gl.constexpr = 32 // V_GROUP
+                    H1: gl.constexpr = (HALF + 32) // V_GROUP
+                    acc4, acc5, acc6, acc7 = _pair_slice_update(
+                        v_pairs, acc4, acc5, acc6, acc7, rescale,
+                        _pick(weights0, weights1, weights2, weights3, L1), _pick(top0, top1, top2, top3, L1),
+                        _pick(wsum0, wsum1, wsum2, wsum3, L1), _pick(weights0, weights1, weights2, weights3, H1),
+                        _pick(top0, top1, top2, top3, H1), _pick(wsum0, wsum1, wsum2, wsum3, H1), 1, v_operand, zero)
             else:
                 v_stage.store(_to_f16(v_bufs.index(slot).load(copy), V_FORMAT))
-            gl.thread_barrier()
-            weights0, top0, wsum0 = _scaled_weights(probs, vs0, INT4, p_operand)
-            weights1, top1, wsum1 = weights0, top0, wsum0
-            weights2, top2, wsum2 = weights0, top0, wsum0
-            weights3, top3, wsum3 = weights0, top0, wsum0
-            if V_GROUPS > 1:
-                weights1, top1, wsum1 = _scaled_weights(probs, vs1, INT4, p_operand)
-            if V_GROUPS > 2:
-                weights2, top2, wsum2 = _scaled_weights(probs, vs2, INT4, p_operand)
-                weights3, top3, wsum3 = _scaled_weights(probs, vs3, INT4, p_operand)
-            zero = gl.zeros([WARPS, V_CHUNK, HEADS], gl.float32, layout=mma)
-            HALF: gl.constexpr = HEAD_DIM // 2
-            acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, wsum0, 0, V_CHUNK, INT4, HALF, v_operand,
-                                                  zero)
-            if V_CHUNKS > 1:
-                G1: gl.constexpr = V_CHUNK // V_GROUP
-                acc1 = acc1 * rescale + _chunk_update(
-                    v_stage, _pick(weights0, weights1, weights2, weights3, G1), _pick(top0, top1, top2, top3, G1),
-                    _pick(wsum0, wsum1, wsum2, wsum3, G1), V_CHUNK, V_CHUNK, INT4, HALF, v_operand, zero)
-            if V_CHUNKS > 2:
-                G2: gl.constexpr = 2 * V_CHUNK // V_GROUP
-                G3: gl.constexpr = 3 * V_CHUNK // V_GROUP
-                acc2 = acc2 * rescale + _chunk_update(
-                    v_stage, _pick(weights0, weights1, weights2, weights3, G2), _pick(top0, top1, top2, top3, G2),
-                    _pick(wsum0, wsum1, wsum2, wsum3, G2), 2 * V_CHUNK, V_CHUNK, INT4, HALF, v_operand, zero)
-                acc3 = acc3 * rescale + _chunk_update(
-                    v_stage, _pick(weights0, weights1, weights2, weights3, G3), _pick(top0, top1, top2, top3, G3),
-                    _pick(wsum0, wsum1, wsum2, wsum3, G3), 3 * V_CHUNK, V_CHUNK, INT4, HALF, v_operand, zero)
+                gl.thread_barrier()
+                acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, v_operand, zero)
             ks0 = nks0
             vs0 = nvs0
             if K_GROUPS > 1:
@@ -451,33 +484,33 @@ if HAVE_GLUON:
         factors = gl.convert_layout(factors, head_cols)
         # A row that saw no position (only for context_len == 0) has sum 0 and acc 0 -> 0.
         safe_sum = gl.where(total_sum > 0, total_sum, 1.0)
-        _store_chunk(acc0, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
-                     out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
-                     0, V_CHUNK, GROUP, HEADS, INT4, mma)
-        if V_CHUNKS > 1:
-            _store_chunk(acc1, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
-                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, V_CHUNK, V_CHUNK, GROUP, HEADS, INT4, mma)
-        if V_CHUNKS > 2:
-            _store_chunk(acc2, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
-                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, 2 * V_CHUNK, V_CHUNK, GROUP, HEADS, INT4, mma)
-            _store_chunk(acc3, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
-                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
-                         partial_stride_split, 3 * V_CHUNK, V_CHUNK, GROUP, HEADS, INT4, mma)
+        if INT4:
+            for part in gl.static_range(4 * SLICES):
+                # part = 4 * slice + 2 * high + odd: dims 32 * slice + odd (+ HALF) + 2 * row.
+                _store_chunk(_pick(_pick(acc0, acc1, acc2, acc3, part % 4), _pick(acc4, acc5, acc6, acc7, part % 4),
+                                   acc0, acc0, part // 4),
+                             factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                             out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
+                             partial_stride_split, 32 * (part // 4) + (part % 2) + HALF * ((part // 2) % 2), 2, 16,
+                             GROUP, HEADS, mma)
+        else:
+            _store_chunk(acc0, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                         out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
+                         0, 1, HEAD_DIM, GROUP, HEADS, mma)
         if write_final == 0:
             lse_groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, head_cols))
             gl.store(partial_lse_ptr + seq * lse_stride_seq + (kv_head * GROUP + lse_groups) * lse_stride_head
                      + split, total_max + gl.log2(safe_sum), mask=lse_groups < GROUP)
 
 
-def pipelined_config() -> DecodeConfig:
-    """Launch shape: tiles of 128 positions (32 per warp) and 2 ring slots, so one tile is in flight
-    while one is computed. Measured on an H200 at 32k context, batch 32, bf16 queries
-    (benchmarks/results/kv_quant_pipelined_h200.json, kv_quant_pipelined_int4_h200.json): faster than
-    tiles of 64 with 2 or 3 slots, for int8, fp8 and int4, and than 3 slots under a 128-register cap
-    (spills)."""
-    return DecodeConfig(tile=128, num_warps=NUM_WARPS, num_stages=2, min_split_tokens=128)
+def pipelined_config(int4: bool = False) -> DecodeConfig:
+    """Launch shape: 2 ring slots, so one tile is in flight while one is computed; tiles of 128
+    positions (32 per warp) for 8-bit caches, 256 for int4, whose per-tile work (block ids, scale
+    loads, barriers) then spreads over more positions. Measured on an H200 at 32k context, batch 32,
+    bf16 queries (benchmarks/results/kv_quant_pipelined_h200.json, kv_quant_pipelined_int4_tiles_h200.json):
+    8-bit: 128 beats 64 with 2 or 3 slots and 3 slots under a 128-register cap (spills); int4 groups
+    of 32: 256 takes 0.233 ms against 0.252 at 128."""
+    return DecodeConfig(tile=256 if int4 else 128, num_warps=NUM_WARPS, num_stages=2, min_split_tokens=128)
 
 
 def _aligned(tensor: torch.Tensor) -> bool:
@@ -518,9 +551,8 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
             return False
         group = min(fmt.group(head_dim), head_dim)
         if fmt.name == "int4":
-            # Chunks of min(group, head_dim/2) dims share a scale: 1 or 2 per half of the head.
-            chunk = min(group, head_dim // 2)
-            if chunk < 16 or chunk & (chunk - 1) or head_dim // group > 4:
+            # Key chunks of min(group, head_dim/2) dims and value slices of 32 code bytes share a scale.
+            if group < 32 or group & (group - 1):
                 return False
             if head_dim // group > 1 and not _pairs_aligned(part.scales):
                 return False
