@@ -99,7 +99,7 @@ def quant_attention_ms(spec, k_cache, v_cache, tables, context_lens, rows, query
                                  **options)                         # compile, measure occupancy
     split_options = {k: v for k, v in options.items() if k in ("config", "implementation", "asm", "value_staging")}
     num_splits = decode_num_splits_quant(query, k_cache, v_cache, tables, **split_options)
-    workspace = decode_workspace(batch, heads, head_dim, num_splits, query.device)
+    workspace = decode_workspace(batch, heads, head_dim, num_splits + 1, query.device)  # +1: a window's partial
 
     def attend():
         paged_decode_attention_quant(query, k_cache, v_cache, tables, context_lens, scale, seq_rows, out=out,

@@ -187,6 +187,8 @@ PIPELINED_CASES = [
     {"kv_cache_dtype": "int4", "kv_quant_window": 0, "kv_quant_sinks": 0},                     # groups of 32
     {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0},
     {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0},
+    {"kv_cache_dtype": "int4"},                                         # group 32, window 128, 4 sinks
+    {"kv_cache_dtype": "int8", "kv_quant_window": 16, "kv_quant_sinks": 3},
 ]
 
 
@@ -197,9 +199,10 @@ PIPELINED_CASES = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
-    """The pipelined kernel (Gluon; 8-bit and int4 without a window): ragged contexts (empty, shorter than a tile or a warp's share
-    of it, across many ring turns), GQA groups 1-8, block sizes below and at the tile, and split counts
-    from 1 to more than a short context has tiles, against the reference on the same stored bytes."""
+    """The pipelined kernel (Gluon; 8-bit and int4, with the fast kernel running a window's positions):
+    ragged contexts (empty, shorter than a tile, a warp's share of it or the window, across many ring
+    turns), GQA groups 1-8, block sizes below and at the tile, and split counts from 1 to more than a
+    short context has tiles, against the reference on the same stored bytes."""
     from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     torch.manual_seed(6)
@@ -214,28 +217,29 @@ def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
     k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, batch)
     query = (torch.randn(batch, heads, head_dim) * 3).to(dtype).to(DEVICE)
     tables, lens = tables.to(DEVICE), lens.to(DEVICE)
+    seq_rows = rows.to(DEVICE) if spec.needs_rows else None
     assert pipelined_supported(query, k_cache, v_cache)
-    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows)
     atol, rtol = TOL[dtype]
     for num_splits in (1, 2, 5, 40):
-        got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+        got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows,
                                            num_splits=num_splits, implementation="pipelined")
         assert torch.isfinite(got.float()).all()
         torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
                                    msg=lambda m: f"{num_splits} splits: {m}")
     # By default (no launch config forced) the engine's decode takes this kernel.
-    got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
 def test_pipelined_decode_declines_what_it_does_not_cover():
-    """Windows, int4 next to an 8-bit part, 8-bit scale groups, int4 groups under 32, groups of more than
-    8 heads: the Triton kernels serve them."""
+    """A full-precision part (with or without a window on the other), int4 next to an 8-bit part, 8-bit
+    scale groups, int4 groups under 32, groups of more than 8 heads: the Triton kernels serve them."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     head_dim, kv_heads = 128, 2
     query = torch.randn(3, 2 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
-    for options in ({"kv_cache_dtype": "int4"}, {"kv_cache_dtype": "int8", "kv_quant_window": 8},
+    for options in ({"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto", "kv_quant_window": 8},
                     {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "int8", "kv_quant_window": 0,
                      "kv_quant_sinks": 0},
                     {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},

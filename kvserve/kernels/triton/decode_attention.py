@@ -275,6 +275,23 @@ def _decode_split_kernel(
                  running_max + tl.log2(safe_sum), mask=group_mask)
 
 
+@triton.jit
+def _merge_partials(lse_row, out_row, splits, split_mask, dims, dim_mask, partial_stride_split,
+                    running_max, running_weight, acc):
+    """Folds the partial outputs of `splits` into the running log-sum-exp merge. A partial over no
+    position has lse -inf; while every one so far has, the merge subtracts 0 (not -inf - -inf)."""
+    lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(lse, axis=0))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(running_max - safe_max)
+    weights = tl.exp2(lse - safe_max)
+    partials = tl.load(out_row + splits[:, None] * partial_stride_split + dims[None, :],
+                       mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    acc = acc * rescale + tl.sum(weights[:, None] * partials, axis=0)
+    running_weight = running_weight * rescale + tl.sum(weights, axis=0)
+    return new_max, running_weight, acc
+
+
 @triton.jit(do_not_specialize=SPLIT_COMBINE_DYNAMIC_ARGS)
 def _decode_combine_kernel(
         partial_out_ptr, partial_lse_ptr, context_lens_ptr, out_ptr, num_splits,
@@ -282,7 +299,10 @@ def _decode_combine_kernel(
         lse_stride_seq, lse_stride_head,
         out_stride_seq, out_stride_head,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr,
-        MIN_SPLIT_TOKENS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+        MIN_SPLIT_TOKENS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+        EXTRA_SPLIT: tl.constexpr = False):
+    # EXTRA_SPLIT: slot `num_splits` holds one more partial, over positions the splits left out
+    # (a quantized cache's full-precision window), written for every non-empty context.
     if PDL:     # see _common.pdl_enabled
         gdc_wait()
         gdc_launch_dependents()
@@ -302,16 +322,14 @@ def _decode_combine_kernel(
     acc = tl.zeros([DIM_PAD], tl.float32)
     for chunk_start in range(0, active_splits, SPLIT_CHUNK):
         splits = chunk_start + tl.arange(0, SPLIT_CHUNK)
-        split_mask = splits < active_splits
-        lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(lse, axis=0))
-        rescale = tl.exp2(running_max - new_max)
-        weights = tl.exp2(lse - new_max)
-        partials = tl.load(out_row + splits[:, None] * partial_stride_split + dims[None, :],
-                           mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-        acc = acc * rescale + tl.sum(weights[:, None] * partials, axis=0)
-        running_weight = running_weight * rescale + tl.sum(weights, axis=0)
-        running_max = new_max
+        running_max, running_weight, acc = _merge_partials(
+            lse_row, out_row, splits, splits < active_splits, dims, dim_mask, partial_stride_split,
+            running_max, running_weight, acc)
+    if EXTRA_SPLIT:
+        extra = num_splits + tl.arange(0, 1)
+        running_max, running_weight, acc = _merge_partials(
+            lse_row, out_row, extra, extra < num_splits + (context_len > 0), dims, dim_mask, partial_stride_split,
+            running_max, running_weight, acc)
     safe_weight = tl.where(running_weight > 0, running_weight, 1.0)
     result = acc / safe_weight
     tl.store(out_ptr + seq * out_stride_seq + head * out_stride_head + dims, result.to(out_ptr.dtype.element_ty),

@@ -39,10 +39,12 @@ kvserve.kvcache.quant) are not in the quantized loop: each split runs its quanti
 then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
 full-precision part).
 
-Parts with dynamic scales and no window (both 8-bit with per-token scales, or both int4) on NVIDIA
-GPUs go to the pipelined Gluon kernel of
-decode_attention_quant_pipelined.py instead, by default (`implementation`, quant_decode_kernel);
-this module still chooses its split count and combines its partial outputs.
+Parts with dynamic scales (both 8-bit with per-token scales, or both int4) on NVIDIA GPUs go to
+the pipelined Gluon kernel of decode_attention_quant_pipelined.py instead, by default
+(`implementation`, quant_decode_kernel); this module still chooses its split count and combines
+its partial outputs. With a window, the pipelined splits skip the ring's positions and the fast
+kernel runs only those (RING_ONLY: one split over the whole context) into one more workspace slot,
+which the combine kernel merges too (EXTRA_SPLIT).
 
 Generic kernel (`_decode_split_quant_generic_kernel`): any head_dim and group, dequantizes each
 tile element by element in fp32 and overlays ring rows; used where the fast one does not apply.
@@ -358,7 +360,9 @@ def _decode_split_quant_kernel(
         K_RING: tl.constexpr, V_RING: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr,
         K_DOT: tl.constexpr, V_DOT: tl.constexpr, EXACT_DOT: tl.constexpr, K_PRESCALE: tl.constexpr,
         K_ASM: tl.constexpr, V_ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, IDS_AHEAD: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, IDS_AHEAD: tl.constexpr, RING_ONLY: tl.constexpr = False):
+    # RING_ONLY: only the ring's positions (sinks, window), for the pipelined kernel, which runs the
+    # quantized ones (one split over the whole context, written as a partial).
     # BLOCK_SIZE (the cache's, fixed for an engine) is a compile-time constant here: a position's
     # block and offset are then a shift and a mask, not an integer division per row and layout,
     # which dominated the loop's instructions. (`block_size`, the runtime twin, is unused.)
@@ -421,6 +425,8 @@ def _decode_split_quant_kernel(
         ring_from = tl.maximum(context_len - WINDOW, SINKS)
         quant_start = tl.maximum(start, SINKS)
         quant_end = tl.minimum(end, ring_from)
+        if RING_ONLY:
+            quant_end = quant_start
     # Block ids run ahead of their use. Scales are 2-byte gathers the compiler does not pipeline;
     # loaded in the iteration that uses them they would wait on a global-memory round trip each tile
     # (after the block ids'). Each iteration loads the next tile's scales from block ids it loaded
@@ -849,7 +855,7 @@ def _occupancy_key(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig, 
 def quant_decode_kernel(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None,
                         implementation: str = "auto") -> str:
     """The kernel paged_decode_attention_quant runs for these arguments: "pipelined"
-    (decode_attention_quant_pipelined: dynamic scales, no window; by default where it
+    (decode_attention_quant_pipelined: dynamic scales; by default where it
     applies and no launch config is forced), "fast" or "generic" (this module's)."""
     if implementation not in ("auto", "pipelined", "fast", "generic"):
         raise ValueError(f"implementation must be auto, pipelined, fast or generic, got {implementation!r}")
@@ -962,9 +968,20 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         raise ValueError("a quantized part keeps a full-precision window: pass seq_rows")
     ring_strides = rings[0].window.stride()[:2] if rings else (0, 0)
     sinks, window = (rings[0].num_sinks, rings[0].window_size) if rings else (0, 0)
+    ring_only = None
     if kind == "pipelined":
-        return _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits,
-                                       workspace, config, key)
+        if not rings:
+            return _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out,
+                                           num_splits, workspace, config, key)
+        # A window: the pipelined kernel's splits skip the positions the ring holds, which one more
+        # launch of the fast kernel runs exactly (RING_ONLY, one split over the whole context) into
+        # the workspace's extra slot; the combine merges both.
+        partial_out, partial_lse = _split_workspace(query, num_splits + 1, workspace)
+        _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits,
+                                (partial_out, partial_lse), config, key, ring=(sinks, window))
+        ring_only = (partial_out, partial_lse, num_splits, config)
+        fast, config = True, _fast_config(head_dim, query.dtype, k_cache, v_cache)
+        use_asm = _use_asm(query, asm)
     interpret = interpreting()
     common = (query, k_args[0], v_args[0], k_args[1], v_args[1], k_args[2], v_args[2], k_args[3], v_args[3],
               seq_rows if seq_rows is not None else context_lens, block_tables, context_lens)
@@ -995,7 +1012,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
                     K_ASM=_part_asm(k_cache, query, use_asm), V_ASM=_part_asm(v_cache, query, use_asm),
                     V_PURE=value_staging != "fp16", BLOCK_SIZE=block_size, IDS_AHEAD=config.ids_ahead,
                     PRECISION="ieee" if (query.dtype == torch.float32 or interpret) else "tf32",
-                    num_warps=config.num_warps, num_stages=config.num_stages)
+                    RING_ONLY=ring_only is not None, num_warps=config.num_warps, num_stages=config.num_stages)
         if config.max_registers:
             meta["maxnreg"] = config.max_registers
     else:
@@ -1007,6 +1024,16 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
                     K_FORMAT=k_args[6], V_FORMAT=v_args[6], K_GROUP=k_args[7], V_GROUP=v_args[7],
                     K_STATIC=k_args[8], V_STATIC=v_args[8], K_RING=k_args[9], V_RING=v_args[9],
                     SINKS=sinks, WINDOW=window, num_warps=config.num_warps, num_stages=config.num_stages)
+    if ring_only is not None:
+        partial_out, partial_lse, num_splits, pipelined_config = ring_only
+        ring_out, ring_lse = partial_out[:, :, num_splits:], partial_lse[:, :, num_splits:]
+        kernel[(batch, num_kv_heads, 1)](
+            *common, out, ring_out, ring_lse, *scalars, 1, block_size, 0,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            *strides, ring_out.stride(0), ring_out.stride(1), ring_out.stride(2),
+            ring_lse.stride(0), ring_lse.stride(1), **meta)
+        _combine(partial_out, partial_lse, context_lens, out, num_splits, pipelined_config, extra_split=True)
+        return out
     if num_splits == 1:
         compiled = kernel[(batch, num_kv_heads, 1)](
             *common, out, unused_partials(out), unused_partials(out), *scalars, 1, block_size, 1,
@@ -1038,7 +1065,7 @@ def _split_workspace(query: torch.Tensor, num_splits: int,
 
 
 def _combine(partial_out: torch.Tensor, partial_lse: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
-             num_splits: int, config: DecodeConfig) -> None:
+             num_splits: int, config: DecodeConfig, extra_split: bool = False) -> None:
     batch, num_heads, head_dim = out.shape
     dim_pad = max(16, next_power_of_2(head_dim))
     _decode_combine_kernel[(batch, num_heads)](
@@ -1047,17 +1074,19 @@ def _combine(partial_out: torch.Tensor, partial_lse: torch.Tensor, context_lens:
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, TILE=config.tile,
-        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK,
+        MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK, EXTRA_SPLIT=extra_split,
         num_warps=4)
 
 
 def _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, workspace,
-                            config, key) -> torch.Tensor:
-    """decode_attention_quant_pipelined's kernel with this module's split, workspace and combine."""
+                            config, key, ring: tuple[int, int] | None = None) -> torch.Tensor:
+    """decode_attention_quant_pipelined's kernel with this module's split, workspace and combine.
+    With `ring` (sinks, window) it only writes its splits' partials, over the quantized positions;
+    the caller runs the ring's and combines."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import launch_pipelined
     grid = (query.shape[0], k_cache.shape[2], num_splits)
     scale_log2 = float(scale) * LOG2_E
-    if num_splits == 1:
+    if num_splits == 1 and ring is None:
         compiled = launch_pipelined(grid, query, k_cache, v_cache, block_tables, context_lens, scale_log2, out,
                                     unused_partials(out), unused_partials(out), 1, 1, config, (0, 0, 0, 0, 0))
         _note_occupancy(key, compiled, query.device)
@@ -1065,9 +1094,10 @@ def _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens,
     partial_out, partial_lse = _split_workspace(query, num_splits, workspace)
     compiled = launch_pipelined(grid, query, k_cache, v_cache, block_tables, context_lens, scale_log2, out,
                                 partial_out, partial_lse, num_splits, 0, config,
-                                (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
+                                (*partial_out.stride()[:3], *partial_lse.stride()[:2]), ring or (0, 0))
     _note_occupancy(key, compiled, query.device)
-    _combine(partial_out, partial_lse, context_lens, out, num_splits, config)
+    if ring is None:
+        _combine(partial_out, partial_lse, context_lens, out, num_splits, config)
     return out
 
 

@@ -2,8 +2,8 @@
 
 Reference: `kvserve.kernels.quant_reference.paged_decode_attention`; the same grid, split-KV scheme,
 partial-output layout and combine kernel as decode_attention_quant.py, whose Triton kernels serve
-every other case (full-precision windows, static scales, int4 next to an 8-bit part, fp32 queries,
-the interpreter).
+every other case (static scales, int4 next to an 8-bit part, fp32 queries, the interpreter) and the
+positions a full-precision window holds (SINKS, WINDOW: this kernel's splits skip them).
 
 Why a second kernel: the Triton one is latency-bound. Each loop iteration waits for its own K/V
 bytes, then runs its dependent chain of dots and reductions, so a program never has a tile in
@@ -15,7 +15,8 @@ and the 2-byte per-token scales (too small for an asynchronous copy) one tile ah
 from block ids loaded one iteration earlier still; so no load waits in the iteration that issues it.
 
 What it covers (`pipelined_supported`): K and V each int8 or fp8-e4m3 with dynamic per-token
-scales, or both int4 with dynamic scales per group of 32-128 elements; no full-precision window;
+scales, or both int4 with dynamic scales per group of 32-128 elements; with or without a
+full-precision window (both parts alike, where the fast Triton kernel can run its positions);
 head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries.
 
 8-bit codes become exact fp16 values by byte permutes under an fp16 exponent (int8) or the packed
@@ -284,7 +285,8 @@ if HAVE_GLUON:
             lse_stride_seq, lse_stride_head,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr,
             MIN_SPLIT_TOKENS: gl.constexpr, K_FORMAT: gl.constexpr, V_FORMAT: gl.constexpr,
-            K_GROUP: gl.constexpr, V_GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, PRESCALE: gl.constexpr):
+            K_GROUP: gl.constexpr, V_GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, PRESCALE: gl.constexpr,
+            SINKS: gl.constexpr, WINDOW: gl.constexpr):
         WARPS: gl.constexpr = 4
         SUB: gl.constexpr = TILE // WARPS
         LOG2_BLOCK: gl.constexpr = BLOCK_SIZE.bit_length() - 1
@@ -338,6 +340,12 @@ if HAVE_GLUON:
         if write_final == 0:
             if start >= context_len:
                 return
+        if SINKS + WINDOW > 0:
+            # A full-precision window: this split's quantized positions are those past the sinks and
+            # before the window (maybe none: its partial is then empty, lse -inf); another launch runs
+            # the ring's (decode_attention_quant.paged_decode_attention_quant).
+            start = gl.maximum(start, SINKS)
+            end = gl.minimum(end, gl.maximum(context_len - WINDOW, SINKS))
 
         q_base = query_ptr + seq * query_stride_seq
         q0, qs0 = _query_chunk(q_base, query_stride_head, kv_head, 0, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE, INT4,
@@ -545,7 +553,7 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
         return False                            # one ring layout: both parts int4, or both 8-bit
     for part in parts:
         fmt = part.fmt
-        if fmt.name not in ("int8", "fp8_e4m3", "int4") or fmt.static_scales or part.window is not None:
+        if fmt.name not in ("int8", "fp8_e4m3", "int4") or fmt.static_scales:
             return False
         if part.scales is None or not _aligned(part.payload):
             return False
@@ -560,13 +568,18 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
             return False
         if fmt.name == "fp8_e4m3" and capability < (8, 9):
             return False
+    if any(part.window is not None for part in parts):
+        # The ring's positions (sinks, window) go to the fast Triton kernel (RING_ONLY).
+        from kvserve.kernels.triton.decode_attention_quant import fast_kernel_supported
+        if not fast_kernel_supported(query, k_cache, v_cache):
+            return False
     return capability >= (8, 0)
 
 
 def launch_pipelined(grid: tuple[int, int, int], query: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale_log2: float, out: torch.Tensor, partial_out: torch.Tensor,
                      partial_lse: torch.Tensor, num_splits: int, write_final: int, config: DecodeConfig,
-                     partial_strides: tuple[int, ...]):
+                     partial_strides: tuple[int, ...], ring: tuple[int, int] = (0, 0)):
     """One launch of the split kernel (decode_attention_quant.paged_decode_attention_quant does the
     split choice, workspace and combine); returns the compiled kernel (for its occupancy)."""
     num_heads, head_dim = query.shape[1:]
@@ -582,4 +595,5 @@ def launch_pipelined(grid: tuple[int, int, int], query: torch.Tensor, k_cache, v
         MIN_SPLIT_TOKENS=config.min_split_tokens, K_FORMAT=FORMAT_CODES[k_cache.fmt.name],
         V_FORMAT=FORMAT_CODES[v_cache.fmt.name], K_GROUP=min(k_cache.fmt.group(head_dim), head_dim),
         V_GROUP=min(v_cache.fmt.group(head_dim), head_dim), BLOCK_SIZE=k_cache.shape[1], PRESCALE=prescale,
+        SINKS=ring[0], WINDOW=ring[1],
         num_warps=config.num_warps, **extra)
