@@ -1025,14 +1025,14 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
                     K_STATIC=k_args[8], V_STATIC=v_args[8], K_RING=k_args[9], V_RING=v_args[9],
                     SINKS=sinks, WINDOW=window, num_warps=config.num_warps, num_stages=config.num_stages)
     if ring_only is not None:
-        partial_out, partial_lse, num_splits, pipelined_config = ring_only
+        partial_out, partial_lse, num_splits, split_config = ring_only
         ring_out, ring_lse = partial_out[:, :, num_splits:], partial_lse[:, :, num_splits:]
         kernel[(batch, num_kv_heads, 1)](
             *common, out, ring_out, ring_lse, *scalars, 1, block_size, 0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             *strides, ring_out.stride(0), ring_out.stride(1), ring_out.stride(2),
             ring_lse.stride(0), ring_lse.stride(1), **meta)
-        _combine(partial_out, partial_lse, context_lens, out, num_splits, pipelined_config, extra_split=True)
+        _combine(partial_out, partial_lse, context_lens, out, num_splits, split_config, extra_split=True)
         return out
     if num_splits == 1:
         compiled = kernel[(batch, num_kv_heads, 1)](
