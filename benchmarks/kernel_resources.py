@@ -157,33 +157,36 @@ def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_regis
     return resources(compiled, sass_mix)
 
 
-def pipelined_decode(fmt: str, tile: int, stages: int, max_registers: int | None, sass_mix: bool,
-                     group: int = 0) -> dict:
+def pipelined_decode(fmt: str, tile: int | None, stages: int, max_registers: int | None, sass_mix: bool,
+                     group: int = 0, head_warps: bool | None = None) -> dict:
     """The pipelined decode kernel (Gluon) for Qwen-7B attention (28/4/128), bf16 queries, both parts
     in `fmt` (int8, fp8_e4m3, or int4 with scale groups of `group`, default 32), blocks of 16, as
-    paged_decode_attention_quant launches it."""
+    paged_decode_attention_quant launches it: `tile` positions per iteration, each warp on its own KV
+    head (`head_warps`) or on a quarter of the tile; None: the engine's launch."""
     from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS
     from kvserve.kernels.triton.code_conversion import BF16_QUERY_PRESCALE
-    from kvserve.kernels.triton.decode_attention_quant_pipelined import NUM_WARPS, _decode_split_pipelined_kernel
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import (NUM_WARPS, _decode_split_pipelined_kernel,
+                                                                         head_warps as engine_head_warps,
+                                                                         pipelined_config)
     from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
     head_dim, kv_heads, block_size = 128, 4, 16
     code = FORMAT_CODES[fmt]
+    if head_warps is None:
+        head_warps = engine_head_warps(kv_heads, fmt == "int4")
+    tile = tile or pipelined_config(kv_heads, fmt == "int4").tile
     group = (group or 32) if fmt == "int4" else head_dim
     width, groups = (head_dim // 2 if fmt == "int4" else head_dim), head_dim // group
     constexprs = dict(GROUP=7, HEAD_DIM=head_dim, TILE=tile, STAGES=stages, MIN_SPLIT_TOKENS=128, K_FORMAT=code,
                       V_FORMAT=code, K_GROUP=group, V_GROUP=group, BLOCK_SIZE=block_size,
-                      PRESCALE=BF16_QUERY_PRESCALE, SINKS=0, WINDOW=0)
+                      PRESCALE=BF16_QUERY_PRESCALE, SINKS=0, WINDOW=0, WIDE=False, HEAD_WARPS=head_warps)
     payload = "*i8" if fmt == "int8" else "*u8"
     pointers = {"query_ptr": "*bf16", "k_ptr": payload, "v_ptr": payload, "k_scales_ptr": "*fp16",
                 "v_scales_ptr": "*fp16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
                 "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
     row, scale_row = kv_heads * width, kv_heads * groups
     values = dict(query_stride_seq=28 * head_dim, query_stride_head=head_dim, out_stride_seq=28 * head_dim,
-                  out_stride_head=head_dim, k_stride_block=block_size * row, k_stride_token=row,
-                  k_stride_head=width, v_stride_block=block_size * row, v_stride_token=row,
-                  v_stride_head=width, ks_stride_block=block_size * scale_row, ks_stride_token=scale_row,
-                  ks_stride_head=groups, vs_stride_block=block_size * scale_row, vs_stride_token=scale_row,
-                  vs_stride_head=groups)
+                  out_stride_head=head_dim, stride_block=block_size * row, stride_token=row, stride_head=width,
+                  scale_stride_block=block_size * scale_row, scale_stride_token=scale_row, scale_stride_head=groups)
     compiled = compile_for_target(_decode_split_pipelined_kernel, pointers, constexprs, values,
                                   float_args=("key_scale_log2",), dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS),
                                   num_warps=NUM_WARPS, max_registers=max_registers)
@@ -207,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
                                help="kernels/triton/decode_attention_quant_pipelined.py's kernel (Gluon)")
     pipelined.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "int4"])
     pipelined.add_argument("--group", type=int, default=0, help="int4 scale group (default 32)")
-    pipelined.add_argument("--tile", type=int, default=128)
+    pipelined.add_argument("--tile", type=int, default=None, help="positions per iteration (default: the engine's)")
     pipelined.add_argument("--stages", type=int, default=2)
+    pipelined.add_argument("--warps", choices=["heads", "positions"], default=None,
+                           help="each warp on its own KV head, or on a quarter of each tile (default: the engine's)")
     pipelined.add_argument("--max-registers", type=int, default=None)
     pipelined.add_argument("--sass-mix", action="store_true", help="also count SASS instructions by opcode")
     args = parser.parse_args(argv)
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.kernel == "pipelined-decode":
         report = pipelined_decode(args.format, args.tile, args.stages, args.max_registers, args.sass_mix,
-                                  args.group)
+                                  args.group, head_warps=None if args.warps is None else args.warps == "heads")
     else:
         report = quant_decode(args.format, args.tile, args.num_warps, args.ids_ahead, args.max_registers,
                               args.window, args.group, args.sass_mix, args.num_stages)

@@ -129,7 +129,8 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
             from dataclasses import replace
 
             from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_config
-            options.update(config=replace(pipelined_config(), tile=pipelined[0], num_stages=pipelined[1],
+            base = pipelined_config(kv_heads, fmt_name.startswith("int4"))
+            options.update(config=replace(base, tile=pipelined[0], num_stages=pipelined[1],
                                           max_registers=pipelined[2] if len(pipelined) > 2 else None),
                            implementation="pipelined")
         elif launch:

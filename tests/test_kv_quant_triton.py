@@ -338,3 +338,52 @@ def test_triton_backend_matches_torch_backend_on_quantized_caches(options):
     want = TorchAttentionBackend().forward(query, key, value, *caches[0], meta, head_dim ** -0.5)
     got = TritonAttentionBackend().forward(query, key, value, *caches[1], meta, head_dim ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
+@pytest.mark.parametrize("options", [
+    {"kv_cache_dtype": "int4"},                                         # group 32, window 128, 4 sinks
+    {"kv_cache_dtype": "int8"},
+], ids=["int4-default", "int8"])
+def test_engine_decodes_through_the_pipelined_kernel(tmp_path, options):
+    """Through the engine on CUDA (Triton backend, CUDA graphs, the split count taken from the kernel's
+    occupancy, a window's extra launch and combine), a bf16 model with head_dim 128 and 4 KV heads
+    decodes over a quantized cache with the pipelined kernel (int4: each warp on its own KV head), and
+    its greedy steps agree with the torch reference backend (eager) on the same format: same tokens
+    with close logprobs, up to a step where the reference's top two are too close to call.
+
+    The two runs quantize their own (bf16, differently rounded) K/V, so a code on a rounding edge may
+    differ between them. int4 groups of 64 without a window (every position quantized) differed by
+    0.26 in one logprob on an H200, which we attribute to that (not confirmed); it is left to the
+    kernel tests above, which read the same stored bytes."""
+    import transformers
+
+    from kvserve.engine.sampling import SamplingParams
+    from kvserve.kernels.triton import decode_attention_quant
+    from kvserve.llm import LLM
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                                      max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
+                                      eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    prompts = [list(range(3, 253)) + list(range(3, 53)), list(range(40, 220)), list(range(9, 49))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+    runs = []
+    decode_attention_quant._quant_resident_per_sm.clear()     # records each decode kernel launched
+    for extra in ({}, {"attention_backend": "torch", "enforce_eager": True}):
+        llm = LLM(model=str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_memory=64 << 20, seed=0,
+                  **options, **extra)
+        runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    assert [key[7] for key in decode_attention_quant._quant_resident_per_sm] == ["pipelined"]
+    compared = 0
+    for got, want in zip(*runs):
+        got, want = got.outputs[0], want.outputs[0]
+        for step, (token, reference) in enumerate(zip(got.token_ids, want.token_ids)):
+            top = sorted(want.logprobs[step].values(), reverse=True)
+            if token != reference:
+                assert top[0] - top[1] < 0.15, f"step {step}: {token} vs {reference} (margin {top[0] - top[1]:.3f})"
+                break
+            assert got.logprobs[step][token] == pytest.approx(want.logprobs[step][reference], abs=0.15)
+            compared += step > 0                # steps after the first read the quantized cache
+    assert compared >= 15

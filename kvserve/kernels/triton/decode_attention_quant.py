@@ -764,6 +764,10 @@ def _decode_split_quant_generic_kernel(
 # --- host ---------------------------------------------------------------------------------------
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _quant_resident_per_sm: dict[tuple, int] = {}
+# The pipelined kernel's splits fill 2 programs per SM even where 3 fit: on an H200 (32k context,
+# batch 32, Qwen-7B, int4, 128-position tiles of one KV head, 3 resident) 3 splits took 0.225 ms
+# against 0.202 for 2 (groups of 64) and 0.221 against 0.194 (groups of 128); docs/kv_quantization.md.
+PIPELINED_SPLIT_RESIDENT = 2
 
 
 def default_quant_decode_config(head_dim: int, dtype: torch.dtype, int4: bool = False) -> DecodeConfig:
@@ -879,10 +883,18 @@ def _launch_config(kind: str, query, k_cache, v_cache, config: DecodeConfig | No
         return config
     if kind == "pipelined":
         from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_config
-        return pipelined_config(int4=k_cache.fmt.name == "int4")
+        return pipelined_config(k_cache.shape[2], k_cache.fmt.name == "int4")
     if kind == "fast":
         return _fast_config(query.shape[2], query.dtype, k_cache, v_cache)
     return default_decode_config(query.shape[2], query.dtype)
+
+
+def _programs_per_sequence(kind: str, k_cache) -> int:
+    """Programs per sequence and split: one per KV head, but the pipelined kernel may run 4 per program."""
+    if kind == "pipelined":
+        from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_programs_per_sequence
+        return pipelined_programs_per_sequence(k_cache.shape[2], k_cache.fmt.name == "int4")
+    return k_cache.shape[2]
 
 
 def _use_asm(query: torch.Tensor, asm: bool | None) -> bool:
@@ -913,8 +925,8 @@ def decode_num_splits_quant(query: torch.Tensor, k_cache, v_cache, block_tables:
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
     key = _occupancy_key(query, k_cache, v_cache, config, kind, _use_asm(query, asm) and kind == "fast",
                          value_staging)
-    return choose_num_splits(query.shape[0], k_cache.shape[2], max_context_len, query.device, config,
-                             _quant_resident_per_sm.get(key))
+    return choose_num_splits(query.shape[0], _programs_per_sequence(kind, k_cache), max_context_len, query.device,
+                             config, _quant_resident_per_sm.get(key))
 
 
 def measured_quant_occupancy() -> dict[str, int]:
@@ -959,8 +971,8 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         max_context_len = block_tables.shape[1] * block_size
     key = _occupancy_key(query, k_cache, v_cache, config, kind, use_asm, value_staging)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context_len, query.device, config,
-                                       _quant_resident_per_sm.get(key))
+        num_splits = choose_num_splits(batch, _programs_per_sequence(kind, k_cache), max_context_len, query.device,
+                                       config, _quant_resident_per_sm.get(key))
     placeholder = query
     k_args, v_args = _part_args(k_cache, placeholder), _part_args(v_cache, placeholder)
     rings = [c for c in (k_cache, v_cache) if not isinstance(c, torch.Tensor) and c.window is not None]
@@ -1084,25 +1096,26 @@ def _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens,
     With `ring` (sinks, window) it only writes its splits' partials, over the quantized positions;
     the caller runs the ring's and combines."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import launch_pipelined
-    grid = (query.shape[0], k_cache.shape[2], num_splits)
+    grid = (query.shape[0], _programs_per_sequence("pipelined", k_cache), num_splits)
     scale_log2 = float(scale) * LOG2_E
     if num_splits == 1 and ring is None:
         compiled = launch_pipelined(grid, query, k_cache, v_cache, block_tables, context_lens, scale_log2, out,
                                     unused_partials(out), unused_partials(out), 1, 1, config, (0, 0, 0, 0, 0))
-        _note_occupancy(key, compiled, query.device)
+        _note_occupancy(key, compiled, query.device, PIPELINED_SPLIT_RESIDENT)
         return out
     partial_out, partial_lse = _split_workspace(query, num_splits, workspace)
     compiled = launch_pipelined(grid, query, k_cache, v_cache, block_tables, context_lens, scale_log2, out,
                                 partial_out, partial_lse, num_splits, 0, config,
                                 (*partial_out.stride()[:3], *partial_lse.stride()[:2]), ring or (0, 0))
-    _note_occupancy(key, compiled, query.device)
+    _note_occupancy(key, compiled, query.device, PIPELINED_SPLIT_RESIDENT)
     if ring is None:
         _combine(partial_out, partial_lse, context_lens, out, num_splits, config)
     return out
 
 
-def _note_occupancy(key: tuple, compiled, device: torch.device) -> None:
+def _note_occupancy(key: tuple, compiled, device: torch.device, cap: int | None = None) -> None:
+    """Programs per SM the split choice fills: the compiled kernel's occupancy, at most `cap`."""
     if key not in _quant_resident_per_sm:
         resident = _resident_programs(compiled, device)
         if resident is not None:
-            _quant_resident_per_sm[key] = resident
+            _quant_resident_per_sm[key] = min(resident, cap) if cap else resident

@@ -36,10 +36,13 @@ query's dims follow the converted codes' order). Values skip the staging: the ri
 16-bit byte pairs by transposing loads (ldmatrix.trans), which leaves each thread the same byte pair
 at two consecutive positions, exactly the pair of positions the value dot's operand register holds;
 one LOP3 per two values converts it in place, into four accumulators per 32 code bytes (low/high
-nibbles of even/odd bytes). A group's scale reaches its dots through the probabilities, as for
-8-bit values. Measured on an H200 (32k context, batch 32, Qwen-7B attention;
-benchmarks/results/kv_quant_attention_h200_session11.json): int4 2.09x bf16 with groups of 32, 2.19x
-with groups of 128.
+nibbles of even/odd bytes). A group's scale reaches its dots through the probabilities (in fp16,
+unnormalised), and the values' offset term through one more dot of those weights with a constant
+operand. With the KV heads in fours, each of a program's 4 warps runs its own KV head
+(HEAD_WARPS), so a position's 4 heads' rows, adjacent in the cache, are copied as one piece.
+Measured on an H200 (32k context, batch 32; benchmarks/results/kv_quant_attention_h200_session12.json):
+int4 2.50x bf16 with groups of 32, 2.86x with groups of 128 (Qwen-7B attention); 2.60x and 3.02x
+(Llama-8B).
 """
 
 from __future__ import annotations
@@ -77,11 +80,19 @@ if HAVE_GLUON:
         return values
 
     @gluon.jit
-    def _tile_positions(tile_start, WARPS: gl.constexpr, SUB: gl.constexpr, layout: gl.constexpr):
-        """[WARPS, SUB] positions of a tile: warp w owns positions w*SUB .. w*SUB + SUB-1."""
+    def _tile_positions(tile_start, WARPS: gl.constexpr, SUB: gl.constexpr, HEAD_WARPS: gl.constexpr,
+                        layout: gl.constexpr):
+        """[WARPS, SUB] positions of a tile: warp w owns positions w*SUB .. w*SUB + SUB-1, or with
+        HEAD_WARPS (each warp its own KV head) every warp the tile's SUB positions."""
         warps = gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))
         subs = gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
-        return tile_start + warps[:, None] * SUB + subs[None, :]
+        return tile_start + warps[:, None] * (0 if HEAD_WARPS else SUB) + subs[None, :]
+
+    @gluon.jit
+    def _warp_heads(head0, WARPS: gl.constexpr, HEAD_WARPS: gl.constexpr, layout: gl.constexpr):
+        """[WARPS, 1] KV head of each warp (in a 2-d layout): head0 + w with HEAD_WARPS, else head0."""
+        warps = gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))
+        return (head0 + warps * (1 if HEAD_WARPS else 0))[:, None]
 
     @gluon.jit
     def _block_ids(table_row, positions, end, LOG2_BLOCK: gl.constexpr):
@@ -116,42 +127,48 @@ if HAVE_GLUON:
         return picked
 
     @gluon.jit
-    def _issue_tile(k_ptr, v_ptr, k_buf, v_buf, blocks, positions, end,
-                    k_stride_block, k_stride_token, k_head_offset, v_stride_block, v_stride_token, v_head_offset,
-                    ROW_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr, copy: gl.constexpr):
-        """Asynchronous copies of a tile's K and V codes ([WARPS, SUB] positions, ROW_BYTES each) into
-        one ring slot (zeros past `end`)."""
-        valid = positions < end
-        offsets = positions & (BLOCK_SIZE - 1)
-        cols = gl.arange(0, ROW_BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy)))[None, None, :]
-        base = blocks.to(gl.int64)
-        k_rows = base * k_stride_block + (offsets * k_stride_token + k_head_offset)
-        async_copy.async_copy_global_to_shared(k_buf, k_ptr + k_rows[:, :, None] + cols, mask=valid[:, :, None])
-        v_rows = base * v_stride_block + (offsets * v_stride_token + v_head_offset)
-        async_copy.async_copy_global_to_shared(v_buf, v_ptr + v_rows[:, :, None] + cols, mask=valid[:, :, None])
+    def _row_offsets(blocks, positions, stride_block, stride_token, head_offset, BLOCK_SIZE: gl.constexpr,
+                     WIDE: gl.constexpr):
+        """Element offsets of positions' rows (one KV head) in a paged tensor: 64-bit only where the
+        tensor needs it (WIDE), since K and V (codes, or scales) share their strides, once for both."""
+        if WIDE:
+            base = blocks.to(gl.int64)
+        else:
+            base = blocks
+        return base * stride_block + ((positions & (BLOCK_SIZE - 1)) * stride_token + head_offset)
 
     @gluon.jit
-    def _group_scales(scales_ptr, blocks, positions, end, stride_block, stride_token, head_offset,
-                      NUM_GROUPS: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-        """fp16 [WARPS, SUB] scales of each of a tile's (up to 4) scale groups (0 past `end`; entries
-        past NUM_GROUPS repeat the first). A position's 2 or 4 scales are adjacent (and aligned:
-        pipelined_supported), so they come in one 4- or 8-byte load and are split in registers."""
-        rows = blocks.to(gl.int64) * stride_block + ((positions & (BLOCK_SIZE - 1)) * stride_token + head_offset)
-        valid = positions < end
+    def _issue_tile(k_ptr, v_ptr, k_buf, v_buf, blocks, positions, end, stride_block, stride_token, head_offset,
+                    ROW_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr, WIDE: gl.constexpr, copy: gl.constexpr):
+        """Asynchronous copies of a tile's K and V codes ([WARPS, SUB] positions, ROW_BYTES each) into
+        one ring slot (zeros past `end`)."""
+        valid = (positions < end)[:, :, None]
+        cols = gl.arange(0, ROW_BYTES, layout=gl.SliceLayout(0, gl.SliceLayout(1, copy)))[None, None, :]
+        rows = _row_offsets(blocks, positions, stride_block, stride_token, head_offset, BLOCK_SIZE, WIDE)[:, :, None]
+        async_copy.async_copy_global_to_shared(k_buf, k_ptr + rows + cols, mask=valid)
+        async_copy.async_copy_global_to_shared(v_buf, v_ptr + rows + cols, mask=valid)
+
+    @gluon.jit
+    def _group_scales(scales_ptr, rows, valid, NUM_GROUPS: gl.constexpr):
+        """fp16 [WARPS, SUB] scales of each of a tile's (up to 4) scale groups at element offsets `rows`
+        (0 where not `valid`; entries past NUM_GROUPS repeat the first). A position's 2 or 4 scales are
+        adjacent (and aligned: pipelined_supported), so they come in one 4- or 8-byte load and are
+        split in registers."""
         if NUM_GROUPS == 1:
             s0 = gl.load(scales_ptr + rows, mask=valid, other=0.0)
             s1 = s0
             s2 = s0
             s3 = s0
         elif NUM_GROUPS == 2:
-            both = gl.load(scales_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (rows >> 1), mask=valid, other=0)
+            both = gl.load((scales_ptr + rows).to(gl.pointer_type(gl.int32), bitcast=True), mask=valid, other=0)
             s0 = both.to(gl.int16).to(gl.float16, bitcast=True)
             s1 = (both >> 16).to(gl.int16).to(gl.float16, bitcast=True)
             s2 = s0
             s3 = s0
         else:
-            lo = gl.load(scales_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (rows >> 1), mask=valid, other=0)
-            hi = gl.load(scales_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + (rows >> 1) + 1, mask=valid, other=0)
+            pairs = (scales_ptr + rows).to(gl.pointer_type(gl.int32), bitcast=True)
+            lo = gl.load(pairs, mask=valid, other=0)
+            hi = gl.load(pairs + 1, mask=valid, other=0)
             s0 = lo.to(gl.int16).to(gl.float16, bitcast=True)
             s1 = (lo >> 16).to(gl.int16).to(gl.float16, bitcast=True)
             s2 = hi.to(gl.int16).to(gl.float16, bitcast=True)
@@ -159,11 +176,21 @@ if HAVE_GLUON:
         return s0, s1, s2, s3
 
     @gluon.jit
-    def _query_chunk(q_base, query_stride_head, kv_head, DIM0: gl.constexpr, WIDTH: gl.constexpr,
-                     GROUP: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr, PRESCALE: gl.constexpr,
-                     INT4: gl.constexpr, operand: gl.constexpr, sums: gl.constexpr):
+    def _tile_scales(k_scales_ptr, v_scales_ptr, blocks, positions, end, stride_block, stride_token, head_offset,
+                     K_GROUPS: gl.constexpr, V_GROUPS: gl.constexpr, BLOCK_SIZE: gl.constexpr, WIDE: gl.constexpr):
+        """A tile's key and value scales per group (_group_scales), from one row offset per position."""
+        rows = _row_offsets(blocks, positions, stride_block, stride_token, head_offset, BLOCK_SIZE, WIDE)
+        valid = positions < end
+        ks0, ks1, ks2, ks3 = _group_scales(k_scales_ptr, rows, valid, K_GROUPS)
+        vs0, vs1, vs2, vs3 = _group_scales(v_scales_ptr, rows, valid, V_GROUPS)
+        return ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3
+
+    @gluon.jit
+    def _query_chunk(q_base, query_stride_head, head0, DIM0: gl.constexpr, WIDTH: gl.constexpr,
+                     GROUP: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr, HEAD_WARPS: gl.constexpr,
+                     PRESCALE: gl.constexpr, INT4: gl.constexpr, operand: gl.constexpr, sums: gl.constexpr):
         """(q^T [WIDTH, 8] of the group over dims DIM0 .. DIM0 + WIDTH (heads past GROUP are 0), times
-        PRESCALE (a power of 2, so that any bf16 value fits fp16), the same for every warp; its fp32 sum
+        PRESCALE (a power of 2, so that any bf16 value fits fp16), per warp (its KV head's group); its fp32 sum
         over the dims, per head, in layout `sums`). For int4 keys the dims follow the converted codes'
         order (_int4_order)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8, 1], [1, 4, 8], [WARPS, 1, 1], [1, 2, 0])
@@ -171,9 +198,8 @@ if HAVE_GLUON:
         if INT4:
             dims = _int4_order(dims)
         heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
-        warps = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-        ptrs = (q_base + warps[:, None, None] * 0 + (kv_head * GROUP + heads)[None, None, :] * query_stride_head
-                + (DIM0 + dims)[None, :, None])
+        kv_heads = _warp_heads(head0, WARPS, HEAD_WARPS, gl.SliceLayout(1, layout))
+        ptrs = q_base + (kv_heads * GROUP + heads[None, :])[:, None, :] * query_stride_head + (DIM0 + dims)[None, :, None]
         q = (gl.load(ptrs, mask=(heads < GROUP)[None, None, :], other=0.0).to(gl.float32) * PRESCALE).to(gl.float16)
         return gl.convert_layout(q, operand), gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), sums)
 
@@ -216,61 +242,77 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pair_slice_update(v_pairs, acc_low_even, acc_low_odd, acc_high_even, acc_high_odd, rescale,
-                           low_weights, low_top, low_sum, high_weights, high_top, high_sum, SLICE: gl.constexpr,
-                           v_operand: gl.constexpr, zero):
+                           low_weights, low_offsets, high_weights, high_offsets, SLICE: gl.constexpr,
+                           v_operand: gl.constexpr):
         """int4 values, straight from the ring slot: code bytes 32*SLICE .. 32*SLICE + 31 of every position,
         read as 16-bit pairs by transposing loads (ldmatrix.trans), so a thread's 32-bit register holds
         one byte pair at two consecutive positions: exactly what one LOP3 per two values turns into the
         value dot's operand, (position p, p+1) of one dim (INT4_TO_OFFSET_F16_PTX). The four results
         are the low nibbles of the pairs' even and odd bytes (dims 32*SLICE + 2m and + 2m + 1) and the
-        high nibbles (the same + HEAD_DIM/2), each updating its own [WARPS, 16, 8] accumulator."""
+        high nibbles (the same + HEAD_DIM/2), each updating its own [WARPS, 16, 8] accumulator, whose
+        rescaled value plus the tile's offset term (-1032 or -1152 times the weights' sum,
+        _value_weights) is the dot's initial accumulator: one FFMA per element besides the dot.
+        High-nibble accumulators hold 16 x their values (divided out at the store)."""
         codes = v_pairs.slice(16 * SLICE, 16, dim=2).permute([0, 2, 1]).load(v_operand)
         low_even, low_odd, high_even, high_odd = gl.inline_asm_elementwise(
             INT4_TO_OFFSET_F16_PTX, "=r,=r,=r,=r,r", [codes], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
             is_pure=True, pack=2)
-        low_top = low_top[:, None, None]
-        high_top = (high_top * 0.0625)[:, None, None]
-        acc_low_even = acc_low_even * rescale + _offset_dot(low_even, low_weights, low_sum, INT4_LOW_OFFSET, zero) * low_top
-        acc_low_odd = acc_low_odd * rescale + _offset_dot(low_odd, low_weights, low_sum, INT4_LOW_OFFSET, zero) * low_top
-        acc_high_even = acc_high_even * rescale \
-            + _offset_dot(high_even, high_weights, high_sum, INT4_HIGH_OFFSET, zero) * high_top
-        acc_high_odd = acc_high_odd * rescale \
-            + _offset_dot(high_odd, high_weights, high_sum, INT4_HIGH_OFFSET, zero) * high_top
+        acc_low_even = mma_v2(low_even, low_weights, acc_low_even * rescale + low_offsets)
+        acc_low_odd = mma_v2(low_odd, low_weights, acc_low_odd * rescale + low_offsets)
+        acc_high_even = mma_v2(high_even, high_weights, acc_high_even * rescale + high_offsets)
+        acc_high_odd = mma_v2(high_odd, high_weights, acc_high_odd * rescale + high_offsets)
         return acc_low_even, acc_low_odd, acc_high_even, acc_high_odd
 
     @gluon.jit
-    def _scaled_weights(probs, scales, INT4: gl.constexpr, p_operand: gl.constexpr):
-        """(p * s / max s in fp16 as the dot's operand, max s, and for int4 the fp16 weights' sum over
-        the positions) per warp: the probabilities times each position's value scale, divided by the
-        warp's largest (so fp16 keeps them in [0, 1])."""
+    def _value_weights(probs16, scales, p_operand: gl.constexpr):
+        """int4 values: the probabilities times each position's value scale of one group, in fp16, as the
+        value dot's operand. No normalisation: probabilities are at most 1 and scales fp16, so the
+        product stays finite."""
+        return gl.convert_layout(probs16 * scales[:, :, None], p_operand)
+
+    @gluon.jit
+    def _offset_terms(weights, offset_ones, zero):
+        """[WARPS, 16, 8] tile of -offset times the weights' sum over the tile's positions (per warp and
+        head, the same in every row), by a dot with a constant operand: it cancels the offset the
+        value codes carry (INT4_TO_OFFSET_F16_PTX) without a cross-lane sum."""
+        return mma_v2(offset_ones, weights, zero)
+
+    @gluon.jit
+    def _scaled_weights(probs, scales, p_operand: gl.constexpr):
+        """8-bit values: (p * s / max s in fp16 as the dot's operand, max s) per warp: the probabilities
+        times each position's value scale, divided by the warp's largest (so fp16 keeps them in [0, 1])."""
         value_scales = scales.to(gl.float32)
         top = gl.maximum(gl.max(value_scales, axis=1), 1e-30)
         weights = (probs * (value_scales / top[:, None])[:, :, None]).to(gl.float16)
-        weight_sum = top
-        if INT4:
-            weight_sum = gl.sum(weights.to(gl.float32), axis=1)
-        return gl.convert_layout(weights, p_operand), top, weight_sum
+        return gl.convert_layout(weights, p_operand), top
 
     @gluon.jit
-    def _store_chunk(acc, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+    def _store_chunk(acc, factors, safe_sum, out_ptr, partial_out_ptr, seq, head0, split, write_final,
                      out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
                      DIM0: gl.constexpr, STEP: gl.constexpr, ROWS: gl.constexpr, GROUP: gl.constexpr,
-                     HEADS: gl.constexpr, mma: gl.constexpr):
-        """Merge one accumulator across warps and store its ROWS dims, DIM0 + STEP * row, of the output
-        (or of this split's partial output)."""
-        out_layout: gl.constexpr = gl.SliceLayout(0, mma)
-        merged = gl.sum(acc * factors[:, None, :], axis=0)
-        result = merged / gl.convert_layout(safe_sum, gl.SliceLayout(0, out_layout))[None, :]
-        dims = DIM0 + STEP * gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
-        groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
-        heads = kv_head * GROUP + groups
-        group_mask = groups < GROUP
-        if write_final != 0:
-            gl.store(out_ptr + seq * out_stride_seq + heads[None, :] * out_stride_head + dims[:, None],
-                     result.to(out_ptr.dtype.element_ty), mask=group_mask[None, :])
+                     HEADS: gl.constexpr, WARPS: gl.constexpr, HEAD_WARPS: gl.constexpr, mma: gl.constexpr):
+        """Store one accumulator's ROWS dims, DIM0 + STEP * row, of the output (or of this split's
+        partial output): each warp its own KV head's (HEAD_WARPS), else merged across warps."""
+        if HEAD_WARPS:
+            result = acc / safe_sum[:, None, :]
+            groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+            heads = (_warp_heads(head0, WARPS, True, gl.SliceLayout(1, mma)) * GROUP + groups[None, :])[:, None, :]
+            dims = (DIM0 + STEP * gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma))))[None, :, None]
+            group_mask = (groups < GROUP)[None, None, :]
         else:
-            gl.store(partial_out_ptr + seq * partial_stride_seq + heads[None, :] * partial_stride_head
-                     + split * partial_stride_split + dims[:, None], result, mask=group_mask[None, :])
+            out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+            merged = gl.sum(acc * factors[:, None, :], axis=0)
+            result = merged / gl.convert_layout(safe_sum, gl.SliceLayout(0, out_layout))[None, :]
+            dims = (DIM0 + STEP * gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout)))[:, None]
+            groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, out_layout))
+            heads = (head0 * GROUP + groups)[None, :]
+            group_mask = (groups < GROUP)[None, :]
+        if write_final != 0:
+            gl.store(out_ptr + seq * out_stride_seq + heads * out_stride_head + dims,
+                     result.to(out_ptr.dtype.element_ty), mask=group_mask)
+        else:
+            gl.store(partial_out_ptr + seq * partial_stride_seq + heads * partial_stride_head
+                     + split * partial_stride_split + dims, result, mask=group_mask)
 
     @gluon.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
     def _decode_split_pipelined_kernel(
@@ -279,16 +321,18 @@ if HAVE_GLUON:
             key_scale_log2, num_splits, write_final,
             query_stride_seq, query_stride_head, out_stride_seq, out_stride_head,
             block_table_stride_seq,
-            k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-            ks_stride_block, ks_stride_token, ks_stride_head, vs_stride_block, vs_stride_token, vs_stride_head,
+            stride_block, stride_token, stride_head, scale_stride_block, scale_stride_token, scale_stride_head,
             partial_stride_seq, partial_stride_head, partial_stride_split,
             lse_stride_seq, lse_stride_head,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr,
             MIN_SPLIT_TOKENS: gl.constexpr, K_FORMAT: gl.constexpr, V_FORMAT: gl.constexpr,
             K_GROUP: gl.constexpr, V_GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, PRESCALE: gl.constexpr,
-            SINKS: gl.constexpr, WINDOW: gl.constexpr):
+            SINKS: gl.constexpr, WINDOW: gl.constexpr, WIDE: gl.constexpr, HEAD_WARPS: gl.constexpr):
         WARPS: gl.constexpr = 4
-        SUB: gl.constexpr = TILE // WARPS
+        # HEAD_WARPS: warp w runs KV head 4 * program_id(1) + w over each tile's TILE positions, so the 4
+        # heads' rows of a position (adjacent in the cache) are copied together. Else the program's one
+        # KV head, warp w running positions w*SUB .. of each tile.
+        SUB: gl.constexpr = TILE if HEAD_WARPS else TILE // WARPS
         LOG2_BLOCK: gl.constexpr = BLOCK_SIZE.bit_length() - 1
         HEADS: gl.constexpr = 8
         # Bytes per position and head: both parts 8-bit, or both int4 (two codes per byte: dims j and
@@ -315,10 +359,15 @@ if HAVE_GLUON:
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
         v_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # Copies and value conversion: 16 codes (16 bytes) per thread and row; warp w copies its rows.
-        copy: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32 * 16 // ROW_BYTES, ROW_BYTES // 16], [WARPS, 1, 1],
-                                              [2, 1, 0])
+        # Copies: 16 codes (16 bytes) per thread and row. Warp w copies its rows, or with HEAD_WARPS
+        # (rows [head, position]) whole positions, all 4 heads' rows in one contiguous piece: a quarter of
+        # the cache lines per instruction for int4's 64-byte rows (measured: docs/kv_quantization.md).
         CHUNKS: gl.constexpr = ROW_BYTES // 16
+        if HEAD_WARPS:
+            copy: gl.constexpr = gl.BlockedLayout([1, 1, 16], [WARPS, 32 // (WARPS * CHUNKS), CHUNKS], [1, WARPS, 1],
+                                                  [2, 0, 1])
+        else:
+            copy: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 32 // CHUNKS, CHUNKS], [WARPS, 1, 1], [2, 1, 0])
         codes_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=8 // CHUNKS, max_phase=CHUNKS,
                                                             order=[2, 1, 0])
         values_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
@@ -330,7 +379,7 @@ if HAVE_GLUON:
         head_cols: gl.constexpr = gl.SliceLayout(1, mma)       # [WARPS, 8] per-warp softmax state
 
         seq = gl.program_id(0).to(gl.int64)
-        kv_head = gl.program_id(1)
+        head0 = gl.program_id(1) * (WARPS if HEAD_WARPS else 1)
         split = gl.program_id(2)
         context_len = gl.load(context_lens_ptr + seq).to(gl.int32)
         per_split = gl.maximum((context_len + num_splits - 1) // num_splits, MIN_SPLIT_TOKENS)
@@ -348,19 +397,19 @@ if HAVE_GLUON:
             end = gl.minimum(end, gl.maximum(context_len - WINDOW, SINKS))
 
         q_base = query_ptr + seq * query_stride_seq
-        q0, qs0 = _query_chunk(q_base, query_stride_head, kv_head, 0, K_CHUNK, GROUP, HEADS, WARPS, PRESCALE, INT4,
+        q0, qs0 = _query_chunk(q_base, query_stride_head, head0, 0, K_CHUNK, GROUP, HEADS, WARPS, HEAD_WARPS, PRESCALE, INT4,
                                q_operand, head_cols)
         q1, qs1 = q0, qs0
         q2, qs2 = q0, qs0
         q3, qs3 = q0, qs0
         if K_CHUNKS > 1:
-            q1, qs1 = _query_chunk(q_base, query_stride_head, kv_head, K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
-                                   PRESCALE, INT4, q_operand, head_cols)
+            q1, qs1 = _query_chunk(q_base, query_stride_head, head0, K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                                   HEAD_WARPS, PRESCALE, INT4, q_operand, head_cols)
         if K_CHUNKS > 2:
-            q2, qs2 = _query_chunk(q_base, query_stride_head, kv_head, 2 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
-                                   PRESCALE, INT4, q_operand, head_cols)
-            q3, qs3 = _query_chunk(q_base, query_stride_head, kv_head, 3 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
-                                   PRESCALE, INT4, q_operand, head_cols)
+            q2, qs2 = _query_chunk(q_base, query_stride_head, head0, 2 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                                   HEAD_WARPS, PRESCALE, INT4, q_operand, head_cols)
+            q3, qs3 = _query_chunk(q_base, query_stride_head, head0, 3 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
+                                   HEAD_WARPS, PRESCALE, INT4, q_operand, head_cols)
 
         k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
         v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
@@ -368,29 +417,26 @@ if HAVE_GLUON:
             v_stage = gl.allocate_shared_memory(gl.float16, [WARPS, SUB, HEAD_DIM], values_smem)
 
         table_row = block_tables_ptr + seq * block_table_stride_seq
-        k_head = kv_head * k_stride_head
-        v_head = kv_head * v_stride_head
-        ks_head = kv_head * ks_stride_head
-        vs_head = kv_head * vs_stride_head
+        # K and V share their strides (codes, and scales: launch_pipelined), so one offset serves both.
+        head_offset = _warp_heads(head0, WARPS, HEAD_WARPS, rows) * stride_head
+        scale_head_offset = _warp_heads(head0, WARPS, HEAD_WARPS, token_rows) * scale_stride_head
         K_GROUPS: gl.constexpr = HEAD_DIM // K_GROUP
         V_GROUPS: gl.constexpr = HEAD_DIM // V_GROUP
 
         # Prologue: tiles 0 .. STAGES-2 in flight, one commit group each.
         for s in gl.static_range(STAGES - 1):
-            positions = _tile_positions(start + s * TILE, WARPS, SUB, rows)
+            positions = _tile_positions(start + s * TILE, WARPS, SUB, HEAD_WARPS, rows)
             blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
-            _issue_tile(k_ptr, v_ptr, k_bufs.index(s), v_bufs.index(s), blocks, positions, end,
-                        k_stride_block, k_stride_token, k_head, v_stride_block, v_stride_token, v_head,
-                        ROW_BYTES, BLOCK_SIZE, copy)
+            _issue_tile(k_ptr, v_ptr, k_bufs.index(s), v_bufs.index(s), blocks, positions, end, stride_block,
+                        stride_token, head_offset, ROW_BYTES, BLOCK_SIZE, WIDE, copy)
             async_copy.commit_group()
-        copy_blocks = _block_ids(table_row, _tile_positions(start + (STAGES - 1) * TILE, WARPS, SUB, rows), end,
+        copy_blocks = _block_ids(table_row, _tile_positions(start + (STAGES - 1) * TILE, WARPS, SUB, HEAD_WARPS, rows), end,
                                  LOG2_BLOCK)
-        positions = _tile_positions(start, WARPS, SUB, token_rows)
+        positions = _tile_positions(start, WARPS, SUB, HEAD_WARPS, token_rows)
         scale_blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
-        ks0, ks1, ks2, ks3 = _group_scales(k_scales_ptr, scale_blocks, positions, end, ks_stride_block,
-                                           ks_stride_token, ks_head, K_GROUPS, BLOCK_SIZE)
-        vs0, vs1, vs2, vs3 = _group_scales(v_scales_ptr, scale_blocks, positions, end, vs_stride_block,
-                                           vs_stride_token, vs_head, V_GROUPS, BLOCK_SIZE)
+        ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3 = _tile_scales(
+            k_scales_ptr, v_scales_ptr, scale_blocks, positions, end, scale_stride_block, scale_stride_token,
+            scale_head_offset, K_GROUPS, V_GROUPS, BLOCK_SIZE, WIDE)
         running_max = gl.full([WARPS, HEADS], float("-inf"), gl.float32, layout=head_cols)
         running_sum = gl.zeros([WARPS, HEADS], gl.float32, layout=head_cols)
         acc0 = gl.zeros([WARPS, ACC_ROWS, HEADS], gl.float32, layout=mma)
@@ -402,26 +448,29 @@ if HAVE_GLUON:
         acc6 = acc0
         acc7 = acc0
         score_zero = gl.zeros([WARPS, SUB, HEADS], gl.float32, layout=mma)
+        acc_zero = gl.zeros([WARPS, ACC_ROWS, HEADS], gl.float32, layout=mma)
+        if INT4:
+            # Constant operands whose dot with a tile's value weights is -offset times their sum.
+            low_ones = gl.full([WARPS, 16, SUB], -INT4_LOW_OFFSET, gl.float16, layout=v_operand)
+            high_ones = gl.full([WARPS, 16, SUB], -INT4_HIGH_OFFSET, gl.float16, layout=v_operand)
         scale_blocks = _block_ids(table_row, positions + TILE, end, LOG2_BLOCK)
         num_tiles = (end - start + TILE - 1) // TILE
         for index in range(num_tiles):
             tile_start = start + index * TILE
-            positions = _tile_positions(tile_start, WARPS, SUB, token_rows)
+            positions = _tile_positions(tile_start, WARPS, SUB, HEAD_WARPS, token_rows)
             # Loads for later tiles first: nothing below waits on them in this iteration.
-            nks0, nks1, nks2, nks3 = _group_scales(k_scales_ptr, scale_blocks, positions + TILE, end, ks_stride_block,
-                                                   ks_stride_token, ks_head, K_GROUPS, BLOCK_SIZE)
-            nvs0, nvs1, nvs2, nvs3 = _group_scales(v_scales_ptr, scale_blocks, positions + TILE, end, vs_stride_block,
-                                                   vs_stride_token, vs_head, V_GROUPS, BLOCK_SIZE)
+            nks0, nks1, nks2, nks3, nvs0, nvs1, nvs2, nvs3 = _tile_scales(
+                k_scales_ptr, v_scales_ptr, scale_blocks, positions + TILE, end, scale_stride_block,
+                scale_stride_token, scale_head_offset, K_GROUPS, V_GROUPS, BLOCK_SIZE, WIDE)
             scale_blocks = _block_ids(table_row, positions + 2 * TILE, end, LOG2_BLOCK)
             # This tile's copies are done (this thread's), then every thread's are, and every thread has
             # finished reading the slot the next copies overwrite (the previous iteration's).
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             slot_ahead = (index + STAGES - 1) % STAGES
-            ahead = _tile_positions(tile_start + (STAGES - 1) * TILE, WARPS, SUB, rows)
+            ahead = _tile_positions(tile_start + (STAGES - 1) * TILE, WARPS, SUB, HEAD_WARPS, rows)
             _issue_tile(k_ptr, v_ptr, k_bufs.index(slot_ahead), v_bufs.index(slot_ahead), copy_blocks, ahead, end,
-                        k_stride_block, k_stride_token, k_head, v_stride_block, v_stride_token, v_head,
-                        ROW_BYTES, BLOCK_SIZE, copy)
+                        stride_block, stride_token, head_offset, ROW_BYTES, BLOCK_SIZE, WIDE, copy)
             async_copy.commit_group()
             copy_blocks = _block_ids(table_row, ahead + TILE, end, LOG2_BLOCK)
 
@@ -439,37 +488,47 @@ if HAVE_GLUON:
             running_max = new_max
             rescale = rescale[:, None, :]
 
-            weights0, top0, wsum0 = _scaled_weights(probs, vs0, INT4, p_operand)
-            zero = gl.zeros([WARPS, ACC_ROWS, HEADS], gl.float32, layout=mma)
             if INT4:
-                weights1, top1, wsum1 = weights0, top0, wsum0
-                weights2, top2, wsum2 = weights0, top0, wsum0
-                weights3, top3, wsum3 = weights0, top0, wsum0
+                probs16 = probs.to(gl.float16)
+                weights0 = _value_weights(probs16, vs0, p_operand)
+                weights1 = weights0
+                weights2 = weights0
+                weights3 = weights0
                 if V_GROUPS > 1:
-                    weights1, top1, wsum1 = _scaled_weights(probs, vs1, INT4, p_operand)
+                    weights1 = _value_weights(probs16, vs1, p_operand)
                 if V_GROUPS > 2:
-                    weights2, top2, wsum2 = _scaled_weights(probs, vs2, INT4, p_operand)
-                    weights3, top3, wsum3 = _scaled_weights(probs, vs3, INT4, p_operand)
-                v_pairs = v_bufs.index(slot)._reinterpret(gl.int16, [WARPS, SUB, ROW_BYTES // 2], pairs_smem)
+                    weights2 = _value_weights(probs16, vs2, p_operand)
+                    weights3 = _value_weights(probs16, vs3, p_operand)
+                # Scale groups of slice s's low and high nibbles; a group's offset term is computed once.
                 L0: gl.constexpr = 0
                 H0: gl.constexpr = HALF // V_GROUP
+                L1: gl.constexpr = 32 // V_GROUP
+                H1: gl.constexpr = (HALF + 32) // V_GROUP
+                low_weights0 = _pick(weights0, weights1, weights2, weights3, L0)
+                high_weights0 = _pick(weights0, weights1, weights2, weights3, H0)
+                low_offsets0 = _offset_terms(low_weights0, low_ones, acc_zero)
+                high_offsets0 = _offset_terms(high_weights0, high_ones, acc_zero)
+                v_pairs = v_bufs.index(slot)._reinterpret(gl.int16, [WARPS, SUB, ROW_BYTES // 2], pairs_smem)
                 acc0, acc1, acc2, acc3 = _pair_slice_update(
-                    v_pairs, acc0, acc1, acc2, acc3, rescale,
-                    _pick(weights0, weights1, weights2, weights3, L0), _pick(top0, top1, top2, top3, L0),
-                    _pick(wsum0, wsum1, wsum2, wsum3, L0), _pick(weights0, weights1, weights2, weights3, H0),
-                    _pick(top0, top1, top2, top3, H0), _pick(wsum0, wsum1, wsum2, wsum3, H0), 0, v_operand, zero)
+                    v_pairs, acc0, acc1, acc2, acc3, rescale, low_weights0, low_offsets0, high_weights0,
+                    high_offsets0, 0, v_operand)
                 if SLICES > 1:
-                    L1: gl.constexpr = 32 // V_GROUP
-                    H1: gl.constexpr = (HALF + 32) // V_GROUP
+                    low_weights1 = _pick(weights0, weights1, weights2, weights3, L1)
+                    high_weights1 = _pick(weights0, weights1, weights2, weights3, H1)
+                    low_offsets1 = low_offsets0
+                    high_offsets1 = high_offsets0
+                    if L1 != L0:
+                        low_offsets1 = _offset_terms(low_weights1, low_ones, acc_zero)
+                    if H1 != H0:
+                        high_offsets1 = _offset_terms(high_weights1, high_ones, acc_zero)
                     acc4, acc5, acc6, acc7 = _pair_slice_update(
-                        v_pairs, acc4, acc5, acc6, acc7, rescale,
-                        _pick(weights0, weights1, weights2, weights3, L1), _pick(top0, top1, top2, top3, L1),
-                        _pick(wsum0, wsum1, wsum2, wsum3, L1), _pick(weights0, weights1, weights2, weights3, H1),
-                        _pick(top0, top1, top2, top3, H1), _pick(wsum0, wsum1, wsum2, wsum3, H1), 1, v_operand, zero)
+                        v_pairs, acc4, acc5, acc6, acc7, rescale, low_weights1, low_offsets1, high_weights1,
+                        high_offsets1, 1, v_operand)
             else:
+                weights0, top0 = _scaled_weights(probs, vs0, p_operand)
                 v_stage.store(_to_f16(v_bufs.index(slot).load(copy), V_FORMAT))
                 gl.thread_barrier()
-                acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, v_operand, zero)
+                acc0 = acc0 * rescale + _chunk_update(v_stage, weights0, top0, v_operand, acc_zero)
             ks0 = nks0
             vs0 = nvs0
             if K_GROUPS > 1:
@@ -484,41 +543,70 @@ if HAVE_GLUON:
                 vs3 = nvs3
         async_copy.wait_group(0)
 
-        # Merge the warps' states: each warp's sum and accumulator rescaled to the common maximum.
-        total_max = gl.max(running_max, axis=0)
-        safe_max = gl.where(total_max == float("-inf"), 0.0, total_max)
-        factors = gl.exp2(running_max - safe_max[None, :])
-        total_sum = gl.sum(running_sum * factors, axis=0)
-        factors = gl.convert_layout(factors, head_cols)
+        if HEAD_WARPS:
+            # Each warp's state is its own KV head's.
+            total_max = running_max
+            total_sum = running_sum
+            factors = running_sum              # unused
+        else:
+            # Merge the warps' states: each warp's sum and accumulator rescaled to the common maximum.
+            total_max = gl.max(running_max, axis=0)
+            safe_max = gl.where(total_max == float("-inf"), 0.0, total_max)
+            factors = gl.exp2(running_max - safe_max[None, :])
+            total_sum = gl.sum(running_sum * factors, axis=0)
+            factors = gl.convert_layout(factors, head_cols)
         # A row that saw no position (only for context_len == 0) has sum 0 and acc 0 -> 0.
         safe_sum = gl.where(total_sum > 0, total_sum, 1.0)
         if INT4:
             for part in gl.static_range(4 * SLICES):
                 # part = 4 * slice + 2 * high + odd: dims 32 * slice + odd (+ HALF) + 2 * row.
+                # High-nibble accumulators (part % 4 >= 2) hold 16 x their values.
                 _store_chunk(_pick(_pick(acc0, acc1, acc2, acc3, part % 4), _pick(acc4, acc5, acc6, acc7, part % 4),
-                                   acc0, acc0, part // 4),
-                             factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+                                   acc0, acc0, part // 4) * (0.0625 if (part // 2) % 2 else 1.0),
+                             factors, safe_sum, out_ptr, partial_out_ptr, seq, head0, split, write_final,
                              out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head,
                              partial_stride_split, 32 * (part // 4) + (part % 2) + HALF * ((part // 2) % 2), 2, 16,
-                             GROUP, HEADS, mma)
+                             GROUP, HEADS, WARPS, HEAD_WARPS, mma)
         else:
-            _store_chunk(acc0, factors, safe_sum, out_ptr, partial_out_ptr, seq, kv_head, split, write_final,
+            _store_chunk(acc0, factors, safe_sum, out_ptr, partial_out_ptr, seq, head0, split, write_final,
                          out_stride_seq, out_stride_head, partial_stride_seq, partial_stride_head, partial_stride_split,
-                         0, 1, HEAD_DIM, GROUP, HEADS, mma)
+                         0, 1, HEAD_DIM, GROUP, HEADS, WARPS, HEAD_WARPS, mma)
         if write_final == 0:
-            lse_groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, head_cols))
-            gl.store(partial_lse_ptr + seq * lse_stride_seq + (kv_head * GROUP + lse_groups) * lse_stride_head
-                     + split, total_max + gl.log2(safe_sum), mask=lse_groups < GROUP)
+            if HEAD_WARPS:
+                lse_groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, head_cols))
+                lse_heads = _warp_heads(head0, WARPS, True, head_cols) * GROUP + lse_groups[None, :]
+                lse_mask = (lse_groups < GROUP)[None, :]
+            else:
+                lse_groups = gl.arange(0, HEADS, layout=gl.SliceLayout(0, head_cols))
+                lse_heads = head0 * GROUP + lse_groups
+                lse_mask = lse_groups < GROUP
+            gl.store(partial_lse_ptr + seq * lse_stride_seq + lse_heads * lse_stride_head + split,
+                     total_max + gl.log2(safe_sum), mask=lse_mask)
 
 
-def pipelined_config(int4: bool = False) -> DecodeConfig:
-    """Launch shape: 2 ring slots, so one tile is in flight while one is computed; tiles of 128
-    positions (32 per warp) for 8-bit caches, 256 for int4, whose per-tile work (block ids, scale
-    loads, barriers) then spreads over more positions. Measured on an H200 at 32k context, batch 32,
-    bf16 queries (benchmarks/results/kv_quant_pipelined_h200.json, kv_quant_pipelined_int4_tiles_h200.json):
-    8-bit: 128 beats 64 with 2 or 3 slots and 3 slots under a 128-register cap (spills); int4 groups
-    of 32: 256 takes 0.233 ms against 0.252 at 128."""
-    return DecodeConfig(tile=256 if int4 else 128, num_warps=NUM_WARPS, num_stages=2, min_split_tokens=128)
+def head_warps(num_kv_heads: int, int4: bool) -> bool:
+    """Whether a program's 4 warps each run their own KV head (HEAD_WARPS): for int4 caches whose KV
+    heads come in fours. A position's 4 heads' 64-byte int4 rows are adjacent in the cache; copied
+    together they take a quarter of the cache lines per copy instruction, and on an H200 (32k
+    context, batch 32) int4 groups of 32 went from 0.211 to 0.198 ms on Qwen-7B and from 0.420 to
+    0.377 ms on Llama-8B (docs/kv_quantization.md). 8-bit rows (128 bytes) gained nothing (int8
+    0.293 -> 0.297 and 0.566 -> 0.592 ms): they keep one KV head per program, its warps on quarters
+    of each tile's positions."""
+    return int4 and num_kv_heads % NUM_WARPS == 0
+
+
+def pipelined_programs_per_sequence(num_kv_heads: int, int4: bool) -> int:
+    """Programs per sequence and split (the grid's second axis)."""
+    return num_kv_heads // NUM_WARPS if head_warps(num_kv_heads, int4) else num_kv_heads
+
+
+def pipelined_config(num_kv_heads: int = 1, int4: bool = False) -> DecodeConfig:
+    """Launch shape: 2 ring slots, so one tile is in flight while one is computed; tiles of 64
+    positions with each warp on its own KV head, else of 128 (32 per warp). Measured on an H200 at
+    32k context, batch 32, bf16 queries (docs/kv_quantization.md): 8-bit caches, 128 beats 64 with 2
+    or 3 slots; int4 with head warps, 64 beats 32 (groups of 32: 0.198 against 0.206 ms on Qwen-7B)."""
+    return DecodeConfig(tile=64 if head_warps(num_kv_heads, int4) else 128, num_warps=NUM_WARPS, num_stages=2,
+                        min_split_tokens=128)
 
 
 def _aligned(tensor: torch.Tensor) -> bool:
@@ -530,6 +618,11 @@ def _aligned(tensor: torch.Tensor) -> bool:
 def _pairs_aligned(scales: torch.Tensor) -> bool:
     """Per-group scales come two (4 bytes) at a time: every position's row starts on 4 bytes."""
     return scales.data_ptr() % 4 == 0 and all(stride % 2 == 0 for stride in scales.stride()[:3])
+
+
+def _needs_wide_offsets(k_cache, v_cache) -> bool:
+    """64-bit element offsets, for a part whose codes or scales span 2^31 elements or more."""
+    return any(max(part.payload.numel(), part.scales.numel()) >= 2 ** 31 for part in (k_cache, v_cache))
 
 
 def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
@@ -551,6 +644,10 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
     capability = cuda_capability(query.device)
     if (k_cache.fmt.name == "int4") != (v_cache.fmt.name == "int4"):
         return False                            # one ring layout: both parts int4, or both 8-bit
+    if any(part.scales is None for part in parts):
+        return False
+    if k_cache.payload.stride() != v_cache.payload.stride() or k_cache.scales.stride() != v_cache.scales.stride():
+        return False                            # one row offset serves both parts
     for part in parts:
         fmt = part.fmt
         if fmt.name not in ("int8", "fp8_e4m3", "int4") or fmt.static_scales:
@@ -589,11 +686,11 @@ def launch_pipelined(grid: tuple[int, int, int], query: torch.Tensor, k_cache, v
         query, k_cache.payload, v_cache.payload, k_cache.scales, v_cache.scales, block_tables, context_lens,
         out, partial_out, partial_lse, scale_log2 / prescale, num_splits, write_final,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_cache.payload.stride()[:3], *v_cache.payload.stride()[:3],
-        *k_cache.scales.stride()[:3], *v_cache.scales.stride()[:3], *partial_strides,
+        *k_cache.payload.stride()[:3], *k_cache.scales.stride()[:3], *partial_strides,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, TILE=config.tile, STAGES=config.num_stages,
         MIN_SPLIT_TOKENS=config.min_split_tokens, K_FORMAT=FORMAT_CODES[k_cache.fmt.name],
         V_FORMAT=FORMAT_CODES[v_cache.fmt.name], K_GROUP=min(k_cache.fmt.group(head_dim), head_dim),
         V_GROUP=min(v_cache.fmt.group(head_dim), head_dim), BLOCK_SIZE=k_cache.shape[1], PRESCALE=prescale,
-        SINKS=ring[0], WINDOW=ring[1],
+        SINKS=ring[0], WINDOW=ring[1], WIDE=_needs_wide_offsets(k_cache, v_cache),
+        HEAD_WARPS=head_warps(k_cache.shape[2], k_cache.fmt.name == "int4"),
         num_warps=config.num_warps, **extra)
