@@ -89,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine import freeze_startup_objects
     from kvserve.llm import LLM
     llm = LLM(**engine_options_from_args(args))
+    freeze_startup_objects()
     params = _sampling_params(args)
     if args.chat_template and getattr(llm.get_tokenizer(), "chat_template", None):
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
@@ -106,8 +108,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvserve.engine.engine import freeze_startup_objects
     from kvserve.llm import LLM
     llm = LLM(**engine_options_from_args(args))
+    freeze_startup_objects()
     engine, params = llm.engine, _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat: type a message, /reset to start over, Ctrl-D to quit.", file=sys.stderr)
@@ -144,12 +148,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvserve.bench import run_bench
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.engine import Engine, freeze_startup_objects
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     except ValueError:
         raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
     engine = Engine.from_options(**engine_options_from_args(args))
+    freeze_startup_objects()
     print(f"model {engine.source.path} ({engine.source.architecture}) on {engine.device}, {engine.dtype}; "
           f"KV cache {engine.kv_manager.capacity_tokens} tokens, {engine.kv_bytes_per_token} bytes/token")
     command = "kvserve " + shlex.join(args.argv)

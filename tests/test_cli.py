@@ -31,10 +31,18 @@ def test_missing_model_is_a_clear_cli_error(tmp_path, capsys):
 
 
 def test_bench_writes_json(tiny_checkpoint, tmp_path):
+    """Also: the command freezes its start-up objects out of the garbage collector's generations
+    (engine.freeze_startup_objects); undone here, since the test process goes on building engines."""
+    import gc
     folder, _ = tiny_checkpoint
     out = tmp_path / "bench.json"
-    assert main(["bench", "--model", folder, "--device", TEST_DEVICE, "--batch-sizes", "1,4", "--input-len", "8",
-                 "--output-len", "4", "--kv-cache-memory", "4MiB", "--json", str(out)]) == 0
+    gc.unfreeze()
+    try:
+        assert main(["bench", "--model", folder, "--device", TEST_DEVICE, "--batch-sizes", "1,4", "--input-len", "8",
+                     "--output-len", "4", "--kv-cache-memory", "4MiB", "--json", str(out)]) == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
     record = json.loads(out.read_text())
     points = record["points"]
     assert [p["batch_size"] for p in points] == [1, 4]

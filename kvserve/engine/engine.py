@@ -6,6 +6,7 @@ tested without a server. Nothing here imports the server.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -50,6 +51,17 @@ class _Group:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[Optional[IncrementalDetokenizer]]
+
+
+def freeze_startup_objects() -> None:
+    """For a process that keeps its engine for its lifetime (the CLI commands, the server): collect,
+    then move every object alive now (weights, modules, tokenizer) out of the garbage collector's
+    generations, so the full collections that steps' short-lived objects trigger no longer traverse
+    them. They took ~4% of a batch-64 decode step of the default model on CPU (perf). Not done by the
+    Engine itself: a process that builds many engines (tests, notebooks) would keep any reference
+    cycle among frozen objects alive."""
+    gc.collect()
+    gc.freeze()
 
 
 class Engine:

@@ -254,11 +254,12 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.config import engine_options_from_args
-    from kvserve.engine.engine import Engine
+    from kvserve.engine.engine import Engine, freeze_startup_objects
 
     config = server_config_from_args(args)
     config.load_api_keys()   # a bad keys file is an error before the model loads
     engine = Engine.from_options(**engine_options_from_args(args))
+    freeze_startup_objects()
     app = build_app(AsyncEngine(engine), config)
     log_level = getattr(args, "log_level", "warning")
     print(f"kvserve: serving {app.state.serving.model_name} on http://{config.host}:{config.port} "
