@@ -233,6 +233,33 @@ def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int4"}, {"kv_cache_dtype": "int8"}], ids=["int4", "int8"])
+def test_pipelined_decode_with_64_bit_offsets(monkeypatch, options):
+    """Caches of 2^31 elements or more per part take 64-bit row offsets (WIDE); forced here on small
+    caches, the kernel gives the reference's output all the same."""
+    from kvserve.kernels.triton import decode_attention_quant_pipelined as pipelined
+    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+    monkeypatch.setattr(pipelined, "_needs_wide_offsets", lambda k_cache, v_cache: True)
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, block_size, num_blocks = 28, 4, 128, 16, 256
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)
+    lens = torch.tensor([700, 33, 1300])
+    batch = len(lens)
+    tables = torch.randperm(num_blocks)[:batch * (num_blocks // batch)].view(batch, -1)
+    rows = torch.arange(batch)
+    k_cache, v_cache = _filled_caches(spec, torch.bfloat16, num_blocks, block_size, tables, lens, rows, batch)
+    query = (torch.randn(batch, heads, head_dim) * 3).to(torch.bfloat16).to(DEVICE)
+    tables, lens = tables.to(DEVICE), lens.to(DEVICE)
+    seq_rows = rows.to(DEVICE) if spec.needs_rows else None
+    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows)
+    atol, rtol = TOL[torch.bfloat16]
+    for num_splits in (1, 3):
+        got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows,
+                                           num_splits=num_splits, implementation="pipelined")
+        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
 def test_pipelined_decode_declines_what_it_does_not_cover():
     """A full-precision part (with or without a window on the other), int4 next to an 8-bit part, 8-bit
     scale groups, int4 groups under 32, groups of more than 8 heads: the Triton kernels serve them."""
