@@ -199,7 +199,8 @@ if HAVE_GLUON:
             dims = _int4_order(dims)
         heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
         kv_heads = _warp_heads(head0, WARPS, HEAD_WARPS, gl.SliceLayout(1, layout))
-        ptrs = q_base + (kv_heads * GROUP + heads[None, :])[:, None, :] * query_stride_head + (DIM0 + dims)[None, :, None]
+        head_rows = (kv_heads * GROUP + heads[None, :])[:, None, :]
+        ptrs = q_base + head_rows * query_stride_head + (DIM0 + dims)[None, :, None]
         q = (gl.load(ptrs, mask=(heads < GROUP)[None, None, :], other=0.0).to(gl.float32) * PRESCALE).to(gl.float16)
         return gl.convert_layout(q, operand), gl.convert_layout(gl.sum(q.to(gl.float32), axis=1), sums)
 
@@ -348,10 +349,11 @@ if HAVE_GLUON:
         SLICES: gl.constexpr = ROW_BYTES // 32
         ACC_ROWS: gl.constexpr = 16 if INT4 else HEAD_DIM
         # Every warp runs its own online softmax over its SUB positions of each tile (merged across warps
-        # once, at the end), so the loop has no cross-warp reduction. The dots are transposed (keys and
-        # values are the M side, the GQA group the N = 8 side of mma.m16n8k16): scores^T [SUB, 8] =
-        # K [SUB, D] q^T [D, 8] and out^T [D, 8] += V^T [D, SUB] p^T [SUB, 8], which wastes no rows
-        # on padding heads and keeps the accumulator at [D, 8] per warp.
+        # once, at the end, unless each warp has its own KV head), so the loop has no cross-warp
+        # reduction. The dots are transposed (keys and values are the M side, the GQA group the N = 8
+        # side of mma.m16n8k16): scores^T [SUB, 8] = K [SUB, D] q^T [D, 8] and out^T [D, 8] +=
+        # V^T [D, SUB] p^T [SUB, 8], which wastes no rows on padding heads and keeps the accumulator
+        # at [D, 8] per warp.
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
                                                       instr_shape=[1, 16, 8])
         # Keys enter with 4 consecutive channels per 32-bit register (one shared-memory load of 4
@@ -398,8 +400,8 @@ if HAVE_GLUON:
             end = gl.minimum(end, gl.maximum(context_len - WINDOW, SINKS))
 
         q_base = query_ptr + seq * query_stride_seq
-        q0, qs0 = _query_chunk(q_base, query_stride_head, head0, 0, K_CHUNK, GROUP, HEADS, WARPS, HEAD_WARPS, PRESCALE, INT4,
-                               q_operand, head_cols)
+        q0, qs0 = _query_chunk(q_base, query_stride_head, head0, 0, K_CHUNK, GROUP, HEADS, WARPS, HEAD_WARPS,
+                               PRESCALE, INT4, q_operand, head_cols)
         q1, qs1 = q0, qs0
         q2, qs2 = q0, qs0
         q3, qs3 = q0, qs0
@@ -431,8 +433,8 @@ if HAVE_GLUON:
             _issue_tile(k_ptr, v_ptr, k_bufs.index(s), v_bufs.index(s), blocks, positions, end, stride_block,
                         stride_token, head_offset, ROW_BYTES, BLOCK_SIZE, WIDE, copy)
             async_copy.commit_group()
-        copy_blocks = _block_ids(table_row, _tile_positions(start + (STAGES - 1) * TILE, WARPS, SUB, HEAD_WARPS, rows), end,
-                                 LOG2_BLOCK)
+        first_ahead = _tile_positions(start + (STAGES - 1) * TILE, WARPS, SUB, HEAD_WARPS, rows)
+        copy_blocks = _block_ids(table_row, first_ahead, end, LOG2_BLOCK)
         positions = _tile_positions(start, WARPS, SUB, HEAD_WARPS, token_rows)
         scale_blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
         ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3 = _tile_scales(
@@ -548,7 +550,7 @@ if HAVE_GLUON:
             # Each warp's state is its own KV head's.
             total_max = running_max
             total_sum = running_sum
-            factors = running_sum              # unused
+            factors = running_sum              # a placeholder: _store_chunk merges nothing with HEAD_WARPS
         else:
             # Merge the warps' states: each warp's sum and accumulator rescaled to the common maximum.
             total_max = gl.max(running_max, axis=0)
