@@ -178,7 +178,7 @@ def pipelined_decode(fmt: str, tile: int | None, stages: int, max_registers: int
     width, groups = (head_dim // 2 if fmt == "int4" else head_dim), head_dim // group
     constexprs = dict(GROUP=7, HEAD_DIM=head_dim, TILE=tile, STAGES=stages, MIN_SPLIT_TOKENS=128, K_FORMAT=code,
                       V_FORMAT=code, K_GROUP=group, V_GROUP=group, BLOCK_SIZE=block_size,
-                      PRESCALE=BF16_QUERY_PRESCALE, SINKS=0, WINDOW=0, WIDE=False, HEAD_WARPS=head_warps)
+                      PRESCALE=BF16_QUERY_PRESCALE, SINKS=0, WINDOW=0, WIDE=False, HEAD_WARPS=head_warps, PDL=True)
     payload = "*i8" if fmt == "int8" else "*u8"
     pointers = {"query_ptr": "*bf16", "k_ptr": payload, "v_ptr": payload, "k_scales_ptr": "*fp16",
                 "v_scales_ptr": "*fp16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",

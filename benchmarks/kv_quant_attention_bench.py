@@ -24,6 +24,7 @@ import gc
 import json
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -220,7 +221,8 @@ def sweep_section(shapes: list[str], formats: list[str], context_len: int, batch
 
 def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int) -> list[dict]:
     """Engine tok/s with dummy R1-Distill-Qwen-7B weights, per KV format: the whole run (prefill
-    included) and its decode steps alone (the run minus the same prompts' prefill and first token)."""
+    included), and the decode steps alone, timed in a run of their own once every prompt is computed
+    (the device synchronized before and after)."""
     from kvserve.bench import bench_kvserve
     from kvserve.engine.engine import Engine
     rows = []
@@ -232,13 +234,11 @@ def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int)
                                      kv_cache_memory=40 * 2**30, **FORMATS[fmt_name])
         bench_kvserve(engine, 1, 16, 4, 1, 0)
         point = bench_kvserve(engine, batch, input_len, output_len, 1, 0)
-        # As much prefill with one new token (other prompts: a prefix-cache hit would skip it): the
-        # difference is the decode steps alone.
-        prefill = bench_kvserve(engine, batch, input_len, 1, 1, 1)
-        decode_s = point.seconds - prefill.seconds
+        decode_s, decode_steps = timed_decode(engine, batch, input_len, output_len, seed=1)
         rows.append({"format": fmt_name, "batch": batch, "input_len": input_len, "output_len": output_len,
                      "output_tokens_per_s": round(point.output_tokens_per_s, 1), "seconds": round(point.seconds, 3),
-                     "prefill_and_first_token_s": round(prefill.seconds, 3),
+                     "decode_steps": decode_steps, "decode_s": round(decode_s, 3),
+                     "decode_step_ms": round(decode_s / decode_steps * 1e3, 3),
                      "decode_tokens_per_s": round(batch * (output_len - 1) / decode_s, 1),
                      "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
                      "kv_bytes_per_token": engine.kv_bytes_per_token})
@@ -247,6 +247,27 @@ def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int)
         gc.collect()
         torch.cuda.empty_cache()
     return rows
+
+
+def timed_decode(engine, batch: int, input_len: int, output_len: int, seed: int) -> tuple[float, int]:
+    """Seconds and engine steps from the moment every prompt of a batch is computed (their first
+    tokens sampled) until the last request finishes: the batch's output_len - 1 decode steps (plus
+    the step that only collects the last tokens, with overlapped scheduling)."""
+    from kvserve.bench import random_prompts
+    from kvserve.engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
+    for prompt in random_prompts(batch, input_len, engine.model.config.vocab_size, seed):
+        engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    torch.cuda.synchronize()
+    started, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    return time.perf_counter() - started, steps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,14 +77,20 @@ def test_store_kernel_matches_reference(options, head_dim):
     got = spec.allocate(6, 4, torch.device(DEVICE), rows=1)[0]
     x = (torch.randn(9, 3, head_dim) * torch.logspace(-2, 1, 9)[:, None, None]).to(torch.bfloat16).to(DEVICE)
     slots = torch.tensor([0, 5, 3, 9, 15, 2, 7, 22, 11], device=DEVICE)
+    # Positions 3..11 of one sequence: some in the sinks, some past the window (the trash row).
+    ring_slots = _ring_slots(spec, 0, 1, torch.arange(3, 12)).to(DEVICE) if spec.needs_rows else None
     for ref_part, kernel_part in zip(want, got):
         if isinstance(ref_part, torch.Tensor):
             continue
         assert supported(kernel_part)
-        ref_part.store(x, slots)
-        store_quantized(x, kernel_part, slots)
+        ref_part.store(x, slots, ring_slots)
+        store_quantized(x, kernel_part, slots, ring_slots)
         if ref_part.scales is not None:
             assert torch.equal(ref_part.scales, kernel_part.scales)
+        if ref_part.window is not None:
+            # The ring's rows but the trash row (its last, written by several tokens in any order).
+            assert torch.equal(ref_part.window[:-1], kernel_part.window[:-1])
+            assert kernel_part.window[:-1].abs().sum() > 0
         differ = (ref_part.payload != kernel_part.payload).sum().item()
         allowed = 0.02 * ref_part.payload.numel() if INTERPRET and ref_part.fmt.name == "fp8_e4m3" else 0
         assert differ <= allowed

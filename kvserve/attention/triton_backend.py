@@ -98,11 +98,7 @@ class TritonAttentionBackend:
             # Error feedback runs token after token on the host (DecodeGraphs skips it).
             cache.store(x, meta.slot_mapping, meta.kv_window_slots, meta.kv_rows)
             return
-        kv_store_quant.store_quantized(x, cache, meta.slot_mapping)
-        if cache.window is not None and meta.kv_window_slots is not None:
-            source = x.to(cache.window.dtype)
-            for column in range(meta.kv_window_slots.shape[1]):
-                cache.window.index_copy_(0, meta.kv_window_slots[:, column], source)
+        kv_store_quant.store_quantized(x, cache, meta.slot_mapping, meta.kv_window_slots)
 
     def _prefill_plan(self, meta: AttentionMetadata):
         if self._planned_meta is not meta:

@@ -200,8 +200,5 @@ def _store_quantized_on_gpu(cache, x: torch.Tensor, meta: AttentionMetadata) -> 
         return False
     if not kv_store_quant.supported(cache):
         return False
-    kv_store_quant.store_quantized(x, cache, meta.slot_mapping)
-    if cache.window is not None and meta.kv_window_slots is not None:
-        for column in range(meta.kv_window_slots.shape[1]):
-            cache.window.index_copy_(0, meta.kv_window_slots[:, column], x.to(cache.window.dtype))
+    kv_store_quant.store_quantized(x, cache, meta.slot_mapping, meta.kv_window_slots)
     return True

@@ -44,7 +44,9 @@ the pipelined Gluon kernel of decode_attention_quant_pipelined.py instead, by de
 (`implementation`, quant_decode_kernel); this module still chooses its split count and combines
 its partial outputs. With a window, the pipelined splits skip the ring's positions and the fast
 kernel runs only those (RING_ONLY: one split over the whole context) into one more workspace slot,
-which the combine kernel merges too (EXTRA_SPLIT).
+which the combine kernel merges too (EXTRA_SPLIT). On sm_90 that launch (OVERLAP) and the combine
+use programmatic dependent launch: the ring's programs run beside the pipelined kernel's, and only
+their exit waits for it (measured: the int4 default 0.207 -> 0.203 ms, docs/kv_quantization.md).
 
 Generic kernel (`_decode_split_quant_generic_kernel`): any head_dim and group, dequantizes each
 tile element by element in fp32 and overlays ring rows; used where the fast one does not apply.
@@ -60,8 +62,9 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, interpreting, next_power_of_2
+from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, interpreting, next_power_of_2, pdl_enabled
 from kvserve.kernels.triton.decode_attention import (COMBINE_SPLIT_CHUNK, LOG2_E, DecodeConfig,
                                                      _decode_combine_kernel, _resident_programs, _split_length,
                                                      choose_num_splits, decode_workspace, default_decode_config,
@@ -360,9 +363,15 @@ def _decode_split_quant_kernel(
         K_RING: tl.constexpr, V_RING: tl.constexpr, SINKS: tl.constexpr, WINDOW: tl.constexpr,
         K_DOT: tl.constexpr, V_DOT: tl.constexpr, EXACT_DOT: tl.constexpr, K_PRESCALE: tl.constexpr,
         K_ASM: tl.constexpr, V_ASM: tl.constexpr, V_PURE: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, IDS_AHEAD: tl.constexpr, RING_ONLY: tl.constexpr = False):
+        BLOCK_SIZE: tl.constexpr, IDS_AHEAD: tl.constexpr, RING_ONLY: tl.constexpr = False,
+        OVERLAP: tl.constexpr = False):
     # RING_ONLY: only the ring's positions (sinks, window), for the pipelined kernel, which runs the
     # quantized ones (one split over the whole context, written as a partial).
+    # OVERLAP: launched with programmatic dependent launch right after the pipelined kernel, whose
+    # results it does not read, so it runs in the SMs that kernel leaves free; only its exit waits for
+    # that grid, so that the combine after it (which waits for this grid) sees both partials.
+    if OVERLAP:
+        gdc_launch_dependents()
     # BLOCK_SIZE (the cache's, fixed for an engine) is a compile-time constant here: a position's
     # block and offset are then a shift and a mask, not an integer division per row and layout,
     # which dominated the loop's instructions. (`block_size`, the runtime twin, is unused.)
@@ -375,6 +384,8 @@ def _decode_split_quant_kernel(
     end = tl.minimum(start + split_len, context_len)
     if write_final == 0:
         if start >= context_len:
+            if OVERLAP:
+                gdc_wait()
             return
     RING: tl.constexpr = SINKS + WINDOW > 0
     seq_row = 0
@@ -581,6 +592,8 @@ def _decode_split_quant_kernel(
     if write_final == 0:
         tl.store(partial_lse_ptr + seq * lse_stride_seq + heads * lse_stride_head + split,
                  running_max + tl.log2(safe_sum), mask=group_mask)
+    if OVERLAP:
+        gdc_wait()
 
 
 # --- generic kernel -----------------------------------------------------------------------------
@@ -995,6 +1008,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         fast, config = True, _fast_config(head_dim, query.dtype, k_cache, v_cache)
         use_asm = _use_asm(query, asm)
     interpret = interpreting()
+    pdl = pdl_enabled(query.device)
     common = (query, k_args[0], v_args[0], k_args[1], v_args[1], k_args[2], v_args[2], k_args[3], v_args[3],
               seq_rows if seq_rows is not None else context_lens, block_tables, context_lens)
     strides = (*k_args[4], *v_args[4], *k_args[5], *v_args[5], *ring_strides)
@@ -1024,7 +1038,8 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
                     K_ASM=_part_asm(k_cache, query, use_asm), V_ASM=_part_asm(v_cache, query, use_asm),
                     V_PURE=value_staging != "fp16", BLOCK_SIZE=block_size, IDS_AHEAD=config.ids_ahead,
                     PRECISION="ieee" if (query.dtype == torch.float32 or interpret) else "tf32",
-                    RING_ONLY=ring_only is not None, num_warps=config.num_warps, num_stages=config.num_stages)
+                    RING_ONLY=ring_only is not None, OVERLAP=ring_only is not None and pdl,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
         if config.max_registers:
             meta["maxnreg"] = config.max_registers
     else:
@@ -1043,7 +1058,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
             *common, out, ring_out, ring_lse, *scalars, 1, block_size, 0,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             *strides, ring_out.stride(0), ring_out.stride(1), ring_out.stride(2),
-            ring_lse.stride(0), ring_lse.stride(1), **meta)
+            ring_lse.stride(0), ring_lse.stride(1), launch_pdl=pdl, **meta)
         _combine(partial_out, partial_lse, context_lens, out, num_splits, split_config, extra_split=True)
         return out
     if num_splits == 1:
@@ -1080,6 +1095,8 @@ def _combine(partial_out: torch.Tensor, partial_lse: torch.Tensor, context_lens:
              num_splits: int, config: DecodeConfig, extra_split: bool = False) -> None:
     batch, num_heads, head_dim = out.shape
     dim_pad = max(16, next_power_of_2(head_dim))
+    # Programmatic dependent launch: scheduled while the split kernel drains; waits for it first.
+    pdl = pdl_enabled(out.device)
     _decode_combine_kernel[(batch, num_heads)](
         partial_out, partial_lse, context_lens, out, num_splits,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -1087,7 +1104,7 @@ def _combine(partial_out: torch.Tensor, partial_lse: torch.Tensor, context_lens:
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, TILE=config.tile,
         MIN_SPLIT_TOKENS=config.min_split_tokens, SPLIT_CHUNK=COMBINE_SPLIT_CHUNK, EXTRA_SPLIT=extra_split,
-        num_warps=4)
+        PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, workspace,

@@ -40,9 +40,12 @@ nibbles of even/odd bytes). A group's scale reaches its dots through the probabi
 unnormalised), and the values' offset term through one more dot of those weights with a constant
 operand. With the KV heads in fours, each of a program's 4 warps runs its own KV head
 (HEAD_WARPS), so a position's 4 heads' rows, adjacent in the cache, are copied as one piece.
-Measured on an H200 (32k context, batch 32; benchmarks/results/kv_quant_attention_h200_session12.json):
-int4 2.50x bf16 with groups of 32, 2.86x with groups of 128 (Qwen-7B attention); 2.60x and 3.02x
-(Llama-8B).
+Measured on an H200 (32k context, batch 32; five runs in
+benchmarks/results/kv_quant_attention_h200_session13*.json): int4 2.53-2.55x bf16 with groups of 32,
+2.87-2.89x with groups of 128, 2.50-2.52x for the int4 default with its window (Qwen-7B attention);
+2.58-2.62x, 2.96-3.05x and 2.54-2.60x (Llama-8B).
+With programmatic dependent launch (PDL: _common.pdl_enabled) the kernel lets the launches after it
+be scheduled from its start: the window's (decode_attention_quant, OVERLAP) runs beside it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capability, interpreting
+from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capability, interpreting, pdl_enabled
 from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_HIGH_OFFSET,
                                                     INT4_LOW_OFFSET, INT4_TO_OFFSET_F16_PTX, INT8_TO_F16_PTX)
 from kvserve.kernels.triton.decode_attention import DecodeConfig
@@ -329,7 +332,14 @@ if HAVE_GLUON:
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr,
             MIN_SPLIT_TOKENS: gl.constexpr, K_FORMAT: gl.constexpr, V_FORMAT: gl.constexpr,
             K_GROUP: gl.constexpr, V_GROUP: gl.constexpr, BLOCK_SIZE: gl.constexpr, PRESCALE: gl.constexpr,
-            SINKS: gl.constexpr, WINDOW: gl.constexpr, WIDE: gl.constexpr, HEAD_WARPS: gl.constexpr):
+            SINKS: gl.constexpr, WINDOW: gl.constexpr, WIDE: gl.constexpr, HEAD_WARPS: gl.constexpr,
+            PDL: gl.constexpr = False):
+        if PDL:
+            # Let the kernels after this one (the window's, the combine: launched with programmatic
+            # dependent launch) be scheduled now; each waits for this grid where it needs its results
+            # (_common.pdl_enabled). The window's then runs in the SMs this one leaves free.
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         WARPS: gl.constexpr = 4
         # HEAD_WARPS: warp w runs KV head 4 * program_id(1) + w over each tile's TILE positions, so the 4
         # heads' rows of a position (adjacent in the cache) are copied together. Else the program's one
@@ -695,5 +705,5 @@ def launch_pipelined(grid: tuple[int, int, int], query: torch.Tensor, k_cache, v
         V_FORMAT=FORMAT_CODES[v_cache.fmt.name], K_GROUP=min(k_cache.fmt.group(head_dim), head_dim),
         V_GROUP=min(v_cache.fmt.group(head_dim), head_dim), BLOCK_SIZE=k_cache.shape[1], PRESCALE=prescale,
         SINKS=ring[0], WINDOW=ring[1], WIDE=_needs_wide_offsets(k_cache, v_cache),
-        HEAD_WARPS=head_warps(k_cache.shape[2], k_cache.fmt.name == "int4"),
+        HEAD_WARPS=head_warps(k_cache.shape[2], k_cache.fmt.name == "int4"), PDL=pdl_enabled(query.device),
         num_warps=config.num_warps, **extra)

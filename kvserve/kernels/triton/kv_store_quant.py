@@ -66,18 +66,29 @@ def _group_scales(x, QMAX: tl.constexpr, HEADS_PAD: tl.constexpr, NUM_GROUPS: tl
 
 
 @triton.jit
-def _store_quant_kernel(x_ptr, payload_ptr, scales_ptr, static_ptr, slot_ptr,
+def _store_quant_kernel(x_ptr, payload_ptr, scales_ptr, static_ptr, slot_ptr, ring_ptr, ring_slots_ptr,
                         x_stride_token, x_stride_head,
                         payload_stride_slot, payload_stride_head, scales_stride_slot, scales_stride_head,
+                        ring_stride_slot, ring_stride_head, ring_slots_stride_token,
                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                        FORMAT: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr):
+                        FORMAT: tl.constexpr, QMAX: tl.constexpr, GROUP: tl.constexpr, STATIC: tl.constexpr,
+                        RING_COLUMNS: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
     heads = tl.arange(0, HEADS_PAD)[:, None]
     head_mask = heads < NUM_KV_HEADS
     x_row = x_ptr + token * x_stride_token + heads * x_stride_head
+    if RING_COLUMNS > 0:
+        # The full-precision ring (window, sinks) in the same launch: every token, as the reference's
+        # index_copy_ does (slots outside the ring, and graph padding, point at its trash row).
+        ring_dims = tl.arange(0, HEAD_DIM)[None, :]
+        exact = tl.load(x_row + ring_dims, mask=head_mask, other=0.0).to(ring_ptr.dtype.element_ty)
+        for column in tl.static_range(RING_COLUMNS):
+            ring_slot = tl.load(ring_slots_ptr + token * ring_slots_stride_token + column).to(tl.int64)
+            tl.store(ring_ptr + ring_slot * ring_stride_slot + heads * ring_stride_head + ring_dims, exact,
+                     mask=head_mask)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
     if FORMAT == 3:
         HALF: tl.constexpr = HEAD_DIM // 2
         dims = tl.arange(0, HALF)[None, :]
@@ -134,8 +145,11 @@ def supported(cache) -> bool:
     return True
 
 
-def store_quantized(x: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
-    """x [T, kv_heads, head_dim] -> payload (+ scales) of `cache` (a QuantizedKVCache) at slots."""
+def store_quantized(x: torch.Tensor, cache, slot_mapping: torch.Tensor,
+                    window_slots: torch.Tensor | None = None) -> None:
+    """x [T, kv_heads, head_dim] -> payload (+ scales) of `cache` (a QuantizedKVCache) at slots, and,
+    where the part keeps a full-precision ring and `window_slots` [T, columns] is given, into the ring
+    at each column's slot (as QuantizedKVCache.store)."""
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return
@@ -145,10 +159,16 @@ def store_quantized(x: torch.Tensor, cache, slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = payload.shape[2], cache.head_dim
     static = cache.static_scale if cache.static_scale is not None else payload
     scales_arg = scales if scales is not None else payload
+    ring, ring_slots, ring_strides, ring_columns = payload, slot_mapping, (0, 0, 0), 0
+    if cache.window is not None and window_slots is not None:
+        ring, ring_slots, ring_columns = cache.window, window_slots, window_slots.shape[1]
+        if ring.stride(2) != 1:
+            raise ValueError("the window ring needs unit head_dim stride")
+        ring_strides = (ring.stride(0), ring.stride(1), window_slots.stride(0))
     _store_quant_kernel[(num_tokens,)](
-        x, payload, scales_arg, static, slot_mapping,
+        x, payload, scales_arg, static, slot_mapping, ring, ring_slots,
         x.stride(0), x.stride(1), payload.stride(1), payload.stride(2),
-        scales.stride(1) if scales is not None else 0, scales.stride(2) if scales is not None else 0,
+        scales.stride(1) if scales is not None else 0, scales.stride(2) if scales is not None else 0, *ring_strides,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=next_power_of_2(num_kv_heads),
         FORMAT=FORMAT_CODES[fmt.name], QMAX=fmt.qmax, GROUP=fmt.group(head_dim), STATIC=fmt.static_scales,
-        num_warps=max(1, min(8, next_power_of_2(num_kv_heads) * head_dim // 256)))
+        RING_COLUMNS=ring_columns, num_warps=max(1, min(8, next_power_of_2(num_kv_heads) * head_dim // 256)))
