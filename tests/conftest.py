@@ -14,6 +14,31 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 TEST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _patch_triton_interpreter() -> None:
+    """TRITON_INTERPRET=1 (the kernels on the CPU): Triton 3.6's interpreter turns a loaded scalar
+    into a loop bound with int() of a 1-element array, which numpy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"); every kernel whose loop bounds come
+    from memory failed. Take the element instead."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    try:
+        import triton.runtime.interpreter as interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "kvserve_patched", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    patched.kvserve_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+_patch_triton_interpreter()
+
+
 def default_model_available() -> bool:
     from kvserve.model.loader import ModelLoadError, default_model_path
     try:
