@@ -321,46 +321,6 @@ def test_decode_with_static_scales_matches_reference(name, parts, tmp_path):
                                    msg=lambda m: f"{implementation}: {m}")
 
 
-@pytest.mark.parametrize("options", DECODE_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefill_kernel_matches_reference(options, shape, dtype):
-    """Prefill chunks over cached contexts, all of a step's in one launch: a chunk whose prefix spans
-    the window's start, one inside the window, one that is its whole context (several tiles), one
-    token alone; each against the reference on the same stored bytes."""
-    from kvserve.kernels.triton.prefill_attention_quant import (paged_prefill_attention_quant, plan_quant_prefill,
-                                                                prefill_quant_supported)
-    if INTERPRET and "fp8_e4m3" in options.values():
-        pytest.skip("the interpreter's fp32 -> e4m3 conversion differs from the GPU's (see module docstring)")
-    torch.manual_seed(4)
-    heads, kv_heads, head_dim = shape
-    block_size, num_blocks = 16, 512
-    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, **options)
-    lens, query_lens = torch.tensor([300, 17, 150, 1]), [45, 17, 150, 1]
-    batch = len(query_lens)
-    tables = torch.randperm(num_blocks)[:batch * (num_blocks // batch)].view(batch, -1)
-    rows = torch.arange(batch)
-    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, batch)
-    chunks, start = [], 0
-    for b in range(batch):
-        positions = torch.arange(int(lens[b]))
-        slots = (tables[b, positions // block_size] * block_size + positions % block_size).to(DEVICE)
-        chunks.append(PrefillChunk(start, query_lens[b], int(lens[b]), slots, int(rows[b])))
-        start += query_lens[b]
-    query = (torch.randn(start, heads, head_dim) * 2).to(dtype).to(DEVICE)
-    assert prefill_quant_supported(query, k_cache, v_cache)
-    out = torch.full_like(query, float("nan"))
-    plan = plan_quant_prefill(chunks, torch.empty(0, dtype=torch.long, device=DEVICE))
-    paged_prefill_attention_quant(query, k_cache, v_cache, plan, head_dim ** -0.5, out=out)
-    atol, rtol = TOL[dtype]
-    for chunk in chunks:
-        span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        want = quant_reference.paged_prefill_attention(query[span], k_cache, v_cache, chunk.context_slots,
-                                                       head_dim ** -0.5, chunk.kv_row)
-        torch.testing.assert_close(out[span].float(), want.float(), atol=atol, rtol=rtol,
-                                   msg=lambda m: f"chunk of {chunk.query_len} over {chunk.context_len}: {m}")
-
-
 @pytest.mark.parametrize("options", CASES[:4], ids=lambda o: "-".join(f"{v}" for v in o.values()))
 def test_triton_backend_matches_torch_backend_on_quantized_caches(options):
     """One mixed step (two decodes + a plain prefill + a prefill over a cached prefix) through both

@@ -39,8 +39,6 @@ class TritonAttentionBackend:
         self._planned_meta: AttentionMetadata | None = None
         self._plan = None
         self._sdpa_chunks: list = []
-        self._quant_planned_meta: AttentionMetadata | None = None
-        self._quant_plan = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -70,13 +68,10 @@ class TritonAttentionBackend:
     def _forward_quantized(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata,
                            scale: float) -> torch.Tensor:
         """A layer with a quantized part (kvserve.kvcache.quant): the store kernel quantizes on
-        write, the decode kernel dequantizes K/V tiles as it reads them, and so does the prefill
-        kernel for chunks over a cached prefix (prefill_attention_quant.py; the torch reference
-        where it does not apply); plain prefills attend over their own full-precision K/V, as in
-        the full-precision path."""
+        write, the decode kernel dequantizes K/V tiles as it reads them. Prefill chunks over a
+        cached prefix go through the torch reference (gather + dequantize + SDPA); plain prefills
+        attend over their own full-precision K/V, as in the full-precision path."""
         from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
-        from kvserve.kernels.triton.prefill_attention_quant import (paged_prefill_attention_quant,
-                                                                     prefill_quant_supported)
         self._store_part(k_cache, key, meta)
         self._store_part(v_cache, value, meta)
         output = torch.empty_like(query)
@@ -85,26 +80,14 @@ class TritonAttentionBackend:
             paged_decode_attention_quant(query[:num_decodes], k_cache, v_cache, meta.decode_block_tables,
                                          meta.decode_context_lens, scale, meta.decode_kv_rows,
                                          out=output[:num_decodes], max_context_len=self.max_decode_context_len)
-        cached = [chunk for chunk in meta.prefills if chunk.context_slots is not None]
-        fused = bool(cached) and prefill_quant_supported(query, k_cache, v_cache)
-        if fused:
-            paged_prefill_attention_quant(query, k_cache, v_cache, self._quant_prefill_plan(meta, cached), scale,
-                                          out=output)
         for chunk in meta.prefills:
             span = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.context_slots is None:
                 output[span] = reference.prefill_attention(query[span], key[span], value[span], scale)
-            elif not fused:
+            else:
                 output[span] = quant_reference.paged_prefill_attention(query[span], k_cache, v_cache,
                                                                        chunk.context_slots, scale, chunk.kv_row)
         return output
-
-    def _quant_prefill_plan(self, meta: AttentionMetadata, cached: list):
-        if self._quant_planned_meta is not meta:
-            from kvserve.kernels.triton.prefill_attention_quant import plan_quant_prefill
-            self._quant_plan = plan_quant_prefill(cached, meta.slot_mapping)
-            self._quant_planned_meta = meta
-        return self._quant_plan
 
     def _store_part(self, cache, x: torch.Tensor, meta: AttentionMetadata) -> None:
         if isinstance(cache, torch.Tensor):
