@@ -253,14 +253,12 @@ def timed_decode(engine, batch: int, input_len: int, output_len: int, seed: int)
     """Seconds and engine steps from the moment every prompt of a batch is computed (their first
     tokens sampled) until the last request finishes: the batch's output_len - 1 decode steps (plus
     the step that only collects the last tokens, with overlapped scheduling)."""
-    from kvserve.bench import random_prompts
+    from kvserve.bench import random_prompts, step_until_prompts_computed
     from kvserve.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
     for prompt in random_prompts(batch, input_len, engine.model.config.vocab_size, seed):
         engine.add_request(None, {"prompt_token_ids": prompt}, params)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
-        engine.step()
+    step_until_prompts_computed(engine)
     torch.cuda.synchronize()
     started, steps = time.perf_counter(), 0
     while engine.has_unfinished_requests():

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from kvserve.bench import environment_info
+from kvserve.bench import environment_info, step_until_prompts_computed
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
@@ -145,9 +145,7 @@ def run_overhead(engine: Engine, args) -> dict:
                             output_kind="final_only")
     for _ in range(args.overhead_batch):
         engine.add_request(None, {"prompt_token_ids": rng.integers(0, vocab, args.overhead_prompt).tolist()}, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                          for r in engine.scheduler.running):
-        engine.step()
+    step_until_prompts_computed(engine)
     for _ in range(5):
         engine.step()
     _sync(engine)

@@ -17,7 +17,7 @@ import torch
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams
-from kvserve.bench import random_prompts
+from kvserve.bench import random_prompts, step_until_prompts_computed
 
 
 def main() -> None:
@@ -39,8 +39,7 @@ def main() -> None:
                             output_kind=args.output_kind)
     for prompt in random_prompts(args.batch_size, args.input_len, engine.model.config.vocab_size, 0):
         engine.add_request(None, {"prompt_token_ids": prompt}, params)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
+    step_until_prompts_computed(engine)
     for _ in range(5):
         engine.step()
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)

@@ -39,6 +39,14 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list
     return torch.randint(low, vocab_size, (num, input_len), generator=generator).tolist()
 
 
+def step_until_prompts_computed(engine) -> None:
+    """Engine steps until no request is waiting and every running one has its whole prompt computed
+    (its first token sampled): what follows is decode steps only."""
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+
+
 def _cpu_fma_gflops() -> Optional[list[float]]:
     from kvserve.kernels import cpu as cpu_kernels
     return cpu_kernels.fma_gflops_by_thread(0.25)
