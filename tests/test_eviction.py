@@ -384,3 +384,44 @@ def test_belady_bounds_every_policy_on_the_benchmark_traces():
         for policy in prefix_bench.POLICIES:
             assert prefix_bench.simulate_policy(trace, capacity, policy)["hit_rate"] <= best + 1e-9, policy
         assert prefix_bench.simulate_dead_first_lru(trace, capacity) <= best + 1e-9
+        assert prefix_bench.simulate_shared_last_lru(trace, capacity) <= best + 1e-9
+
+
+def _prefix_bench():
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import prefix_bench
+    return prefix_bench
+
+
+def test_shared_prefix_blocks_are_the_blocks_above_a_branch():
+    pb = _prefix_bench()
+    bs = pb.BLOCK_SIZE
+    system = list(range(1000, 1000 + 3 * bs))                   # three full blocks shared by two chats
+    a = pb.TraceRequest(0.0, system + list(range(2 * bs)), [7] * bs)
+    a_next = pb.TraceRequest(1.0, a.prompt + a.output + list(range(50, 50 + bs)), [8] * 4)
+    b = pb.TraceRequest(2.0, system + list(range(500, 500 + 2 * bs)), [9] * 4)
+    shared = pb.shared_prefix_blocks([a, a_next, b])
+    system_hashes = pb.chain_hashes(pb.namespace_root(""), system, bs)
+    assert shared == set(system_hashes)
+    # A linear conversation alone has no branch, so nothing is shared.
+    assert pb.shared_prefix_blocks([a, a_next]) == set()
+
+
+def test_lru_keeping_shared_prefixes_evicts_conversations_first():
+    pb = _prefix_bench()
+    bs = pb.BLOCK_SIZE
+    system_1, system_2 = list(range(1000, 1000 + 4 * bs)), list(range(2000, 2000 + 4 * bs))
+
+    def chat(time: float, system: list[int], k: int) -> "pb.TraceRequest":
+        return pb.TraceRequest(time, system + list(range(10_000 + 100 * k, 10_000 + 100 * k + 3 * bs)), [5, 5])
+
+    # Two chats on system prompt 1, two on system prompt 2, then one more on system prompt 1. In a
+    # 10-block cache plain lru has evicted prompt 1 (least recent) by then; the yardstick keeps it
+    # and evicts the chats' own blocks instead, so the last request hits prompt 1.
+    trace = [chat(0.0, system_1, 0), chat(1.0, system_1, 1), chat(2.0, system_2, 2), chat(3.0, system_2, 3),
+             chat(4.0, system_1, 4)]
+    kept = pb.simulate_shared_last_lru(trace, 10)
+    assert kept > pb.simulate_policy(trace, 10, "lru")["hit_rate"]
+    assert kept <= pb.simulate_belady(trace, 10) + 1e-9
