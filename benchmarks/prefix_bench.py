@@ -347,9 +347,12 @@ class _SharedLastCache(PrefixCache):
         self._evictor.add(block_id, cached.stats.times[-1], cached.stats.depth, cached.block_hash in self._shared)
 
 
-def simulate_shared_last_lru(trace: list[TraceRequest], capacity_blocks: int) -> float:
+def simulate_shared_last_lru(trace: list[TraceRequest], capacity_blocks: int,
+                             shared: Optional[set[bytes]] = None) -> float:
+    """`shared`: shared_prefix_blocks(trace), when the caller replays several cache sizes."""
     clock = SimClock()
-    return _replay(trace, capacity_blocks, _SharedLastCache(clock, shared_prefix_blocks(trace), capacity_blocks), clock)
+    shared = shared_prefix_blocks(trace) if shared is None else shared
+    return _replay(trace, capacity_blocks, _SharedLastCache(clock, shared, capacity_blocks), clock)
 
 
 def simulate_belady(trace: list[TraceRequest], capacity_blocks: int) -> float:
@@ -457,6 +460,7 @@ def run_hit_rates(args) -> dict:
         working_set = unique_blocks(trace)
         largest = max(blocks_for_tokens(len(r.prompt) + len(r.output), BLOCK_SIZE) for r in trace)
         sizes = sorted({max(largest + 1, int(working_set * f)) for f in args.fractions})
+        shared = shared_prefix_blocks(trace) if args.oracle_bounds else set()
         entry = {"num_requests": len(trace), "prompt_tokens": sum(len(r.prompt) for r in trace),
                  "unique_blocks": working_set, "duration_s": round(trace[-1].time - trace[0].time, 1), "sizes": []}
         for size in sizes:
@@ -472,9 +476,9 @@ def run_hit_rates(args) -> dict:
                     row["adaptive"] = sim["adaptive"]
             row["hit_rate"]["belady"] = round(simulate_belady(trace, size), 4)
             if args.oracle_bounds:
-                bound = simulate_dead_first_lru(trace, size)
-                row["oracle_bounds"] = {"lru_evicting_never_reused_first": round(bound, 4),
-                                        "lru_keeping_shared_prefixes": round(simulate_shared_last_lru(trace, size), 4)}
+                row["oracle_bounds"] = {
+                    "lru_evicting_never_reused_first": round(simulate_dead_first_lru(trace, size), 4),
+                    "lru_keeping_shared_prefixes": round(simulate_shared_last_lru(trace, size, shared), 4)}
             fixed = {p: row["hit_rate"][p] for p in FIXED_POLICIES}
             best = max(fixed, key=fixed.get)
             row["best_fixed"] = best

