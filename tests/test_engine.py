@@ -52,6 +52,56 @@ def test_too_long_requests_are_rejected_at_admission(engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_prompt_over_the_step_budget_without_chunking_is_rejected(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    unchunked = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=2 << 20,
+                                    block_size=16, enable_chunked_prefill=False, max_num_batched_tokens=32)
+    with pytest.raises(RequestRejected, match=r"chunked prefill is off .* max_num_batched_tokens \(32\)"):
+        unchunked.add_request(None, [1] * 33, SamplingParams(max_tokens=4))
+    assert not unchunked.has_unfinished_requests()
+    unchunked.add_request("fits", [1] * 32, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in _drain(unchunked)] == [4]
+
+
+def test_unchunked_preempted_requests_recompute_past_the_budget_with_the_same_tokens(tiny_checkpoint):
+    """A preempted request recomputes its prompt and its outputs: without chunking that exceeds the
+    step budget the prompt alone respected, and it must still run (alone), not wait forever."""
+    from kvserve import LLM
+    folder, _ = tiny_checkpoint
+    prompts = [[1] + [(7 * i + 3 * j) % 250 + 2 for j in range(5)] for i in range(4)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    roomy = LLM(folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=2 << 20, block_size=4,
+                enable_chunked_prefill=False, max_num_batched_tokens=16)
+    alone = [roomy.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    # Without the prefix cache, which would often hold the blocks a victim needs back.
+    tight = LLM(folder, dtype="float32", device=TEST_DEVICE, block_size=4, enable_chunked_prefill=False,
+                max_num_batched_tokens=16, kv_cache_memory=roomy.engine.kv_bytes_per_token * 4 * 12,  # 12 blocks
+                enable_prefix_caching=False)
+    recomputed: list[int] = []
+    preempt = tight.engine.scheduler._preempt
+
+    def record(request):
+        recomputed.append(request.num_tokens)
+        preempt(request)
+    tight.engine.scheduler._preempt = record
+    batched = tight.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert max(recomputed) > 16          # the case this is about: a recompute over the budget
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    assert tight.engine.kv_manager.num_free_blocks == tight.engine.kv_manager.num_blocks
+
+
+def test_a_step_that_can_schedule_nothing_raises_instead_of_spinning(engine, monkeypatch):
+    from kvserve.engine.scheduler import SchedulerStalled
+    engine.add_request("stuck", [1, 2, 3], SamplingParams(max_tokens=4))
+    monkeypatch.setattr(engine.scheduler, "_admit_waiting", lambda out, budget: None)   # admits nothing
+    with pytest.raises(SchedulerStalled, match="no waiting request can be scheduled"):
+        engine.step()
+    monkeypatch.undo()
+    engine.abort("stuck")
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
 def test_request_over_kv_capacity_is_rejected(tiny_checkpoint):
     folder, _ = tiny_checkpoint
     small = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, block_size=16,

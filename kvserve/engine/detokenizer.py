@@ -40,11 +40,25 @@ class IncrementalDetokenizer:
         return None
 
     def _append_text(self, new_text: str) -> str | None:
+        # Only a match that ends in the new text is new: older text was searched when it arrived.
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += new_text
-        for stop in self.stop:
-            where = self.text.find(stop, search_from)
-            if where != -1:
-                self.text = self.text[: where + len(stop)] if self.include_stop_str_in_output else self.text[:where]
-                return stop
-        return None
+        match = earliest_stop(self.text, self.stop, search_from)
+        if match is None:
+            return None
+        where, stop = match
+        self.text = self.text[: where + len(stop)] if self.include_stop_str_in_output else self.text[:where]
+        return stop
+
+
+def earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str] | None:
+    """The stop string that occurs first in `text[start:]` and where it starts; of several starting at
+    one place, the shortest (it is complete first). The text before the match then holds no stop
+    string, which the order of the list cannot promise: with stops `['"', '.']`, the text `x."` must
+    be cut at the `.`."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        where = text.find(stop, start)
+        if where != -1 and (best is None or (where, len(stop)) < (best[0], len(best[1]))):
+            best = (where, stop)
+    return best

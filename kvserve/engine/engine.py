@@ -20,7 +20,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput, SchedulerStalled
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
@@ -309,6 +309,13 @@ class Engine:
             if sched_out.is_empty:
                 if self._inflight is not None:
                     outputs += self._finish_inflight()
+                elif not sched_out.rejected and self.scheduler.is_stalled:
+                    # Nothing runs, nothing was admitted, and nothing will change until a new command:
+                    # callers that step until done would spin forever. Say so instead.
+                    raise SchedulerStalled(
+                        f"no waiting request can be scheduled ({self.scheduler.num_unfinished} unfinished, none "
+                        f"running, {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} KV blocks "
+                        f"free)")
                 return outputs
             if self._async and self.runner.can_launch_ahead(sched_out):
                 launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight)

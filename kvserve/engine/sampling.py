@@ -126,6 +126,9 @@ class SamplingParams:
             _check_number(name, getattr(self, name))
         if not all(isinstance(s, str) for s in self.stop):
             _fail("stop", self.stop, "must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            # An empty string occurs in every text: the request would stop after its first token.
+            _fail("stop", self.stop, "must not contain an empty string")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of integers")
 

@@ -39,6 +39,11 @@ class RequestRejected(ValueError):
     """A request that can never run (too long for the model or the KV cache): rejected at admission."""
 
 
+class SchedulerStalled(RuntimeError):
+    """A step found waiting requests but nothing running and admitted none: an engine bug, raised so
+    that a caller stepping until done gets an error instead of a hang."""
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -88,6 +93,14 @@ class Scheduler:
             raise RequestRejected(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > budget:
+            # Without chunking a prompt is computed in one step, which holds at most the budget: such
+            # a prompt would wait forever.
+            raise RequestRejected(
+                f"the prompt has {num_prompt_tokens} tokens but chunked prefill is off and one step computes at "
+                f"most max_num_batched_tokens ({budget}) tokens; shorten the prompt, raise "
+                f"--max-num-batched-tokens or enable chunked prefill")
         needed = blocks_for_tokens(num_prompt_tokens + max_tokens, self.kv_manager.block_size)
         if needed > self.kv_manager.num_blocks:
             raise RequestRejected(
@@ -211,8 +224,13 @@ class Scheduler:
             num_cached = hit.num_tokens if hit is not None else 0
             num_new = request.num_tokens - num_cached
             if not chunked and num_new > budget:
-                break
-            num_new = min(num_new, budget)
+                # Admission bounds the prompt by the budget, but a preempted request recomputes its
+                # outputs too and may exceed it: it then runs alone, once nothing else is scheduled
+                # (preempted requests lead the queue, so the running ones drain first).
+                if out.scheduled or request.status != RequestStatus.PREEMPTED:
+                    break
+            elif num_new > budget:
+                num_new = budget
             needed = self.kv_manager.num_new_blocks_needed(request.request_id, num_cached + num_new, hit)
             if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
                 break
@@ -312,6 +330,12 @@ class Scheduler:
             return False
         self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    @property
+    def is_stalled(self) -> bool:
+        """After a schedule() that scheduled nothing: whether the waiting requests can never run as
+        things stand (nothing runs whose end would free blocks or slots)."""
+        return bool(self.waiting) and not self.running
 
     @property
     def num_unfinished(self) -> int:
