@@ -60,6 +60,7 @@ class RequestResult:
     prompt_tokens: int = 0
     max_tokens: int = 0
     error: Optional[str] = None
+    error_time: Optional[float] = None   # seconds from send to the error (a 503 or an in-stream error event)
 
     @property
     def tpot(self) -> Optional[float]:
@@ -136,6 +137,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
         async with client.stream("POST", url + endpoint, json=body, headers=headers) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                result.error_time = time.perf_counter() - sent
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -143,6 +145,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     result.error = chunk["error"].get("message", "error")
+                    result.error_time = time.perf_counter() - sent
                     return result
                 first = (chunk.get("choices") if isinstance(prompt, list) else
                          any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])))
@@ -156,6 +159,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
             result.ttft = result.e2e
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+        result.error_time = time.perf_counter() - sent
     return result
 
 
@@ -207,6 +211,65 @@ async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
         server_preemptions=(preempt_after - preempt_before) if None not in (preempt_after, preempt_before) else None,
         num_rejected_overloaded=sum(1 for r in results if r.error and "overloaded" in r.error),
         errors=sorted({r.error for r in results if r.error})[:5])
+
+
+@dataclass
+class BurstPoint:
+    """N requests sent at once against a server with latency targets (--slo-ttft --slo-shed): how fast
+    the ones that cannot be served in time are told so, and whether the admitted ones meet the target."""
+    num_requests: int
+    num_admitted: int                  # completed with a 200 stream
+    num_rejected_overloaded: int       # HTTP 503 or an in-stream "overloaded" event
+    num_other_errors: int
+    reject_time_p50_s: Optional[float]
+    reject_time_p99_s: Optional[float]
+    reject_time_max_s: Optional[float]
+    admitted_ttft_p50_s: Optional[float]
+    admitted_ttft_p99_s: Optional[float]
+    admitted_ttft_max_s: Optional[float]
+    admitted_meeting_ttft_fraction: Optional[float]
+    duration_s: float
+    output_tokens_per_s: float
+    errors: list[str] = field(default_factory=list)
+
+
+async def run_burst(url: str, model: str, count: int, args: argparse.Namespace,
+                    headers: dict[str, str]) -> BurstPoint:
+    plan = make_requests(1.0, count, args.min_tokens, args.max_tokens, args.seed, args.prompt_tokens)[:count]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, model, prompt, max_tokens, start, headers)
+                                         for _, prompt, max_tokens in plan))
+        duration = time.perf_counter() - start
+    done = [r for r in results if r.error is None and r.e2e is not None]
+    shed = [r for r in results if r.error and ("overloaded" in r.error or r.error.startswith("HTTP 503"))]
+    other = [r for r in results if r.error and r not in shed]
+    shed_times = [r.error_time for r in shed if r.error_time is not None]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    return BurstPoint(
+        num_requests=len(results), num_admitted=len(done), num_rejected_overloaded=len(shed),
+        num_other_errors=len(other),
+        reject_time_p50_s=_round(percentile(shed_times, 50)), reject_time_p99_s=_round(percentile(shed_times, 99)),
+        reject_time_max_s=_round(max(shed_times)) if shed_times else None,
+        admitted_ttft_p50_s=_round(percentile(ttfts, 50)), admitted_ttft_p99_s=_round(percentile(ttfts, 99)),
+        admitted_ttft_max_s=_round(max(ttfts)) if ttfts else None,
+        admitted_meeting_ttft_fraction=(round(sum(t <= args.slo_ttft for t in ttfts) / len(ttfts), 3)
+                                        if ttfts else None),
+        duration_s=round(duration, 3),
+        output_tokens_per_s=round(sum(r.output_tokens for r in done) / duration, 2),
+        errors=sorted({r.error[:200] for r in other})[:5])
+
+
+def format_burst(point: BurstPoint, ttft_target: float) -> str:
+    def f(v):
+        return f"{v:.3f}" if v is not None else "-"
+    return (f"burst of {point.num_requests}: {point.num_admitted} admitted, {point.num_rejected_overloaded} shed "
+            f"(503 after p50 {f(point.reject_time_p50_s)} / p99 {f(point.reject_time_p99_s)} / max "
+            f"{f(point.reject_time_max_s)} s), {point.num_other_errors} other errors; admitted TTFT p50 "
+            f"{f(point.admitted_ttft_p50_s)} / p99 {f(point.admitted_ttft_p99_s)} / max {f(point.admitted_ttft_max_s)} s "
+            f"against {ttft_target:g} s ({f(point.admitted_meeting_ttft_fraction)} meet it); "
+            f"{point.output_tokens_per_s:.1f} out tok/s over {point.duration_s:.1f} s")
 
 
 def _round(value: Optional[float]) -> Optional[float]:
@@ -296,6 +359,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"))
     parser.add_argument("--rates", default="1,2,4", help="comma-separated request rates (req/s)")
+    parser.add_argument("--burst", type=int, default=0,
+                        help="instead of Poisson rates: send this many requests at once (load shedding: run the "
+                             "server with --slo-ttft/--slo-shed) and report time to each 503 and the admitted TTFT")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
     parser.add_argument("--prompt-tokens", type=int, default=0,
                         help="send random token-id prompts of this length to /v1/completions (no tokenizer needed)")
@@ -335,7 +401,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     await one_request(client, url, model, prompt, 8, time.perf_counter(), headers)
 
         asyncio.run(warmup())
-        points = []
+        points: list[Any] = []
+        if args.burst:
+            rates = []
+            point = asyncio.run(run_burst(url, model, args.burst, args, headers))
+            points.append(point)
+            print(format_burst(point, args.slo_ttft), flush=True)
         for rate in rates:
             point = asyncio.run(run_rate(url, model, rate, args, headers))
             points.append(point)
@@ -350,14 +421,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 proc.kill()
 
     print()
-    print(format_table(points))
+    print(format_burst(points[0], args.slo_ttft) if args.burst else format_table(points))
     if args.json:
         report = {
             "benchmark": "serve_bench", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
             "server_flags": serve_args, "url": args.url, "model": model,
             "max_model_len": models[0].get("max_model_len"), "endpoint": ("/v1/completions (stream, token-id prompts, ignore_eos)" if args.prompt_tokens
                          else "/v1/chat/completions (stream)"),
-            "workload": {"arrivals": "poisson", "duration_s_per_rate": args.duration,
+            "workload": {"arrivals": f"burst of {args.burst} at once" if args.burst else "poisson", "duration_s_per_rate": args.duration,
                          "max_tokens_uniform": [args.min_tokens, args.max_tokens], "temperature": 0,
                          "prompts": (f"{args.prompt_tokens} random token ids" if args.prompt_tokens else
                                      "one-sentence instructions (TASKS x TOPICS in the script)"), "seed": args.seed},

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.slo import SLOController
+from kvserve.engine.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -152,6 +153,46 @@ class RequestStream:
         self._ready.clear()
 
 
+class ArrivalGate:
+    """TTFT shedding at arrival, decided on the caller's thread: the engine thread takes new requests
+    only between steps, and a step can take a good share of the target, so a request that cannot be
+    served in time is told so at once instead of after the step in progress.
+
+    It judges a request as the scheduler would (SLOController.reject_at_arrival): queued behind the
+    engine's load as last published by the engine thread, plus the requests accepted here that the
+    engine thread has not taken yet (a burst arrives faster than one step). The lock makes "taken by
+    the engine" and "the load that includes it" change together."""
+
+    def __init__(self, slo: SLOController) -> None:
+        self.slo = slo
+        self._lock = threading.Lock()
+        self._load = EngineLoad()
+        self._pending: dict[str, list[PendingWork]] = {}
+        self.num_rejected = 0
+
+    def admit(self, request_id: str, work: list[PendingWork], waited_s: float) -> None:
+        """Raises RequestOverloaded, or records the request as on its way to the engine."""
+        with self._lock:
+            pending = tuple(w for works in self._pending.values() for w in works)
+            load = dataclasses.replace(self._load, waiting=self._load.waiting + pending)
+        reason = self.slo.reject_at_arrival(load, work, waited_s)
+        with self._lock:
+            if reason is not None:
+                self.num_rejected += 1
+                raise RequestOverloaded(reason)
+            self._pending[request_id] = work
+
+    def taken(self, request_id: str, load: EngineLoad) -> None:
+        """Engine thread: the request is in the engine (or was refused there); `load` includes it."""
+        with self._lock:
+            self._pending.pop(request_id, None)
+            self._load = load
+
+    def publish(self, load: EngineLoad) -> None:
+        with self._lock:
+            self._load = load
+
+
 class AsyncEngine:
     """Runs `engine.step()` on a background thread; add/abort from the asyncio loop."""
 
@@ -170,6 +211,9 @@ class AsyncEngine:
         self._num_step_errors = 0
         self._snapshot = EngineSnapshot()
         self._fatal_error: Optional[BaseException] = None
+        slo = engine.scheduler.slo
+        self.arrival_gate: Optional[ArrivalGate] = (ArrivalGate(slo) if slo is not None
+                                                    and slo.shed_deadline_s() is not None else None)
 
     # --- lifecycle (event loop side) --------------------------------------------------------------
     def start(self) -> None:
@@ -214,13 +258,20 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
                           stream: Optional[RequestStream] = None, tenant: Optional[str] = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, arrival_time: Optional[float] = None) -> RequestStream:
         """Queues a request on the engine thread; raises what `Engine.add_request` raises
-        (RequestRejected / ValueError) or EngineShutdownError. Returns the stream its outputs go to."""
+        (RequestRejected / ValueError / RequestOverloaded) or EngineShutdownError. `arrival_time`
+        (time.monotonic()) is when the server received it; default now. Returns the stream its
+        outputs go to."""
         if not self._accepting or self._thread is None or not self._thread.is_alive():
             raise EngineShutdownError("the engine is not accepting requests (shutting down or stopped)")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if self.arrival_gate is not None:
+            work = self._pending_work(prompt, params)
+            if work is not None:
+                self.arrival_gate.admit(request_id, work, time.monotonic() - arrival_time)
         stream = stream or self.open_stream()
-        record = _Record(request_id, stream, time.monotonic(), tenant, priority)
+        record = _Record(request_id, stream, arrival_time, tenant, priority)
         done: concurrent.futures.Future = concurrent.futures.Future()
         stream._pending.add(request_id)
         self._submit(("add", record, prompt, params, done))
@@ -235,6 +286,15 @@ class AsyncEngine:
             stream._pending.discard(request_id)
             raise
         return stream
+
+    def _pending_work(self, prompt: Any, params: SamplingParams) -> Optional[list[PendingWork]]:
+        """The request as the arrival gate simulates it; None for a prompt not yet tokenized (the
+        engine thread then judges it alone)."""
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+            return None
+        num_prompt = len(prompt["prompt_token_ids"])
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.engine.max_model_len - num_prompt
+        return [PendingWork(num_prompt, max(1, max_tokens))] * params.n
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and non-blocking; the engine frees the request's blocks before its next step."""
@@ -287,10 +347,13 @@ class AsyncEngine:
                 done.set_exception(EngineShutdownError("the engine is shutting down"))
                 return
             try:
-                self.engine.add_request(record.request_id, prompt, params)
+                self.engine.add_request(record.request_id, prompt, params, arrival_time=record.arrival_time)
             except Exception as exc:
                 done.set_exception(exc)
                 return
+            finally:
+                if self.arrival_gate is not None:
+                    self.arrival_gate.taken(record.request_id, self.engine.scheduler.make_load())
             record.in_engine = True
             self._records[record.request_id] = record
             done.set_result(record.request_id)
@@ -404,13 +467,17 @@ class AsyncEngine:
                 generation_tokens_total=stats.generation_tokens_total,
                 num_preemptions_total=engine.scheduler.num_preemptions_total,
                 num_steps_total=self._num_steps, num_step_errors_total=self._num_step_errors,
-                requests_finished_total=dict(stats.requests_finished_total), **_slo_fields(engine.scheduler.slo))
+                requests_finished_total=dict(stats.requests_finished_total),
+                **_slo_fields(engine.scheduler.slo, self.arrival_gate))
+            if self.arrival_gate is not None:
+                self.arrival_gate.publish(engine.scheduler.make_load())
         except Exception:
             logger.exception("could not read engine state for the metrics snapshot")
 
 
-def _slo_fields(slo: Optional[SLOController]) -> dict[str, Any]:
+def _slo_fields(slo: Optional[SLOController], gate: Optional[ArrivalGate]) -> dict[str, Any]:
     if slo is None:
         return {}
+    at_arrival = slo.num_rejected_at_arrival + (gate.num_rejected if gate is not None else 0)
     return {"slo_max_running": slo.max_running, "slo_step_time_s": slo.step_time_s,
-            "slo_rejected_at_arrival": slo.num_rejected_at_arrival, "slo_rejected_in_queue": slo.num_rejected_in_queue}
+            "slo_rejected_at_arrival": at_arrival, "slo_rejected_in_queue": slo.num_rejected_in_queue}

@@ -21,6 +21,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvserve.engine.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput, SchedulerStalled
+from kvserve.engine.step_cost import StepShape
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
@@ -34,6 +35,10 @@ logger = logging.getLogger("kvserve")
 
 PromptInput = Union[str, list[int], dict[str, Any]]
 _DEFAULT_CPU_KV_BYTES = 1 << 30
+# Step shapes timed at start when latency targets are set (see _time_step_shapes): two prompt
+# lengths tell the per-token cost from the fixed one, a decode-like shape the per-sequence cost.
+CALIBRATION_PROMPT_TOKENS = (64, 256)
+CALIBRATION_SEQUENCES = 32
 
 
 @dataclass
@@ -111,6 +116,8 @@ class Engine:
                 logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
                             self.runner.graphs.sizes, time.perf_counter() - started)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len)
+        if self.scheduler.slo is not None:
+            self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
@@ -198,6 +205,33 @@ class Engine:
             raise ValueError("no GPU memory left for the KV cache after weights and activations")
         return budget
 
+    def _time_step_shapes(self) -> list[tuple[StepShape, float]]:
+        """A few forwards timed at start (latency targets only): the step-cost model's first
+        estimate, so that the first requests are judged by this machine's speed. A probe runner with
+        a cache of its own keeps the engine's blocks untouched. Later steps refine the fit."""
+        sched = self.config.scheduler_config
+        block_size = self.config.cache_config.block_size
+        budget = sched.max_num_batched_tokens
+        num_sequences = min(sched.max_num_seqs, budget, CALIBRATION_SEQUENCES)
+        shapes = [StepShape(min(budget, n), 1) for n in CALIBRATION_PROMPT_TOKENS]
+        shapes.append(StepShape(num_sequences, num_sequences))
+        probe = ModelRunner(self.model, self.device, self.dtype, -(-max(s.num_tokens for s in shapes) // block_size) + 1,
+                            block_size, set(), self.config.model_config.attention_backend)
+        samples = []
+        for index, shape in enumerate([shapes[0], *shapes]):     # the first run warms up and is not kept
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            probe.profile_forward(shape.num_tokens, shape.num_sequences)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if index:
+                samples.append((shape, time.perf_counter() - started))
+        del probe
+        logger.info("step-cost calibration: %s", ", ".join(f"{s.num_tokens} tokens x {s.num_sequences} seqs "
+                                                          f"{seconds * 1e3:.1f} ms" for s, seconds in samples))
+        return samples
+
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         config_eos = getattr(self.source.hf_config, "eos_token_id", None)
@@ -226,10 +260,12 @@ class Engine:
     def add_request(self, request_id: Optional[str], prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, tenant: Optional[str] = None,
                     cache_salt: Optional[str] = None, pin_ttl: Optional[float] = None,
-                    pin_prefix_tokens: Optional[int] = None) -> str:
-        """Queues a request (n samples); raises RequestRejected if it can never run. tenant /
-        cache_salt choose the prefix-cache namespace; pin_ttl pins the prompt's first
-        pin_prefix_tokens (default all) for that many seconds (see CacheOptions)."""
+                    pin_prefix_tokens: Optional[int] = None, arrival_time: Optional[float] = None) -> str:
+        """Queues a request (n samples); raises RequestRejected if it can never run, RequestOverloaded
+        if latency targets shed it. tenant / cache_salt choose the prefix-cache namespace; pin_ttl pins
+        the prompt's first pin_prefix_tokens (default all) for that many seconds (see CacheOptions).
+        arrival_time (time.monotonic()) is when a server received it, if earlier than now: TTFT
+        targets and metrics count from there."""
         params = params or SamplingParams()
         try:
             cache_opts = CacheOptions.resolve(prompt, tenant=tenant, cache_salt=cache_salt, pin_ttl=pin_ttl,
@@ -245,7 +281,7 @@ class Engine:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
-        self.scheduler.check_overload(len(prompt_ids), params.n)
+        self.scheduler.check_overload(len(prompt_ids), max(max_tokens, 1), params.n, arrival_time)
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
         if cache_opts.pin_ttl is not None:
             try:
@@ -260,6 +296,8 @@ class Engine:
                 child_params = _replace_seed(params, params.seed + index)
             child = Request(f"{request_id}#{index}" if params.n > 1 else request_id,
                             list(prompt_ids), child_params, max_tokens, tenant=cache_opts.tenant)
+            if arrival_time is not None:
+                child.arrival_time = arrival_time
             child.set_cache_namespace(namespace)
             children.append(child)
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
@@ -339,7 +377,8 @@ class Engine:
         finally:
             self.prefix.publish()
             if self.scheduler.slo is not None and sched_out is not None and sched_out.scheduled:
-                self.scheduler.slo.observe_step(time.monotonic() - started, len(sched_out.scheduled))
+                self.scheduler.slo.observe_step(time.monotonic() - started, len(sched_out.scheduled),
+                                                sched_out.num_batched_tokens)
 
     def _reject(self, requests: list[Request]) -> list[RequestOutput]:
         """Outputs for requests the scheduler shed; a group's other samples go with them."""

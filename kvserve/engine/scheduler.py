@@ -13,9 +13,10 @@ with longer cached prefixes go first (they cost less to admit and their blocks m
 if they wait); a request overtaken `cache_aware_max_bypass` times goes strictly first, so nobody
 starves. Preempted requests always go first.
 
-Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/engine/slo.py): the number of running
-requests is limited so the step time stays under the TPOT target, and with shedding a request that
-cannot start in time is rejected at arrival or at its deadline in the queue.
+Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/engine/slo.py): a step's tokens are
+capped so that it ends in time, the number of running requests is limited so the step time stays
+under the TPOT target, and with shedding a request that cannot get its first token in time is
+rejected at arrival (predicted by simulating the steps ahead) or in the queue.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
-from kvserve.engine.slo import RequestOverloaded, SLOController, SLOTargets
+from kvserve.engine.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
@@ -106,18 +107,42 @@ class Scheduler:
             raise RequestRejected(
                 f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
 
-    def check_overload(self, num_prompt_tokens: int, num_requests: int = 1) -> None:
-        """With TTFT shedding: raises RequestOverloaded if these requests would queue too long."""
-        if self.slo is None:
+    def check_overload(self, num_prompt_tokens: int, max_tokens: int, num_requests: int = 1,
+                       arrival_time: Optional[float] = None) -> None:
+        """With TTFT shedding: raises RequestOverloaded if these requests (n samples of one prompt)
+        could not get their first token within the target, queued behind what the engine holds."""
+        if self.slo is None or self.slo.shed_deadline_s() is None:
             return
-        # Requests that get a running slot only once others finish (this one's samples included):
-        # with room for everyone queued, it is admitted at the next step whatever the queue holds.
-        num_over = len(self.running) + len(self.waiting) + num_requests - self._max_running
-        if num_over <= 0:
-            return
-        reason = self.slo.reject_at_arrival(num_over - 1, num_prompt_tokens, self.config.max_num_batched_tokens)
+        new = [PendingWork(num_prompt_tokens, max_tokens)] * num_requests
+        waited = 0.0 if arrival_time is None else max(0.0, time.monotonic() - arrival_time)
+        reason = self.slo.reject_at_arrival(self.make_load(), new, waited)
         if reason is not None:
+            self.slo.num_rejected_at_arrival += 1
             raise RequestOverloaded(reason)
+
+    def make_load(self) -> EngineLoad:
+        """The running and waiting requests as the latency simulation needs them (slo.py)."""
+        def work(request: Request) -> PendingWork:
+            left = request.num_tokens - request.num_computed_tokens
+            outputs_left = max(0, request.max_tokens - len(request.output_token_ids))
+            return PendingWork(left if left > 1 else 0, outputs_left)
+
+        slo = self.slo
+        return EngineLoad(running=tuple(work(r) for r in self.running), waiting=tuple(work(r) for r in self.waiting),
+                          token_budget=self.config.max_num_batched_tokens, max_running=self._max_running,
+                          max_step_s=slo.max_step_s if slo is not None and self._caps_step_length else None,
+                          step_cost=slo.step_cost.coefficients if slo is not None else None)
+
+    @property
+    def _caps_step_length(self) -> bool:
+        # Without chunking a prompt runs whole in one step, so its step cannot be shortened.
+        return self.slo is not None and self.config.enable_chunked_prefill and self.slo.max_step_s is not None
+
+    def _step_token_budget(self) -> int:
+        budget = self.config.max_num_batched_tokens
+        if not self._caps_step_length:
+            return budget
+        return self.slo.step_token_budget(budget, len(self.running) + 1)
 
     @property
     def _max_running(self) -> int:
@@ -135,7 +160,7 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._step_token_budget()
         chunked = self.config.enable_chunked_prefill
 
         index = 0
@@ -176,9 +201,11 @@ class Scheduler:
         that already ran (preempted ones) keep their place: their first token is out or due."""
         now = time.monotonic()
         budget = self.config.max_num_batched_tokens
+        num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
         late = [request for request in self.waiting
                 if request.first_scheduled_time is None
-                and self.slo.missed_deadline(request.arrival_time, request.num_prompt_tokens, budget, now)]
+                and self.slo.missed_deadline(request.arrival_time, request.num_prompt_tokens, num_decoding, budget,
+                                             now)]
         for request in late:
             self.finish(request, RequestStatus.FINISHED_REJECTED)
             out.rejected.append(request)
@@ -312,8 +339,6 @@ class Scheduler:
             return
         request.status = status
         request.finished_time = time.monotonic()
-        if self.slo is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.slo.observe_completion()
         if request in self.running:
             self.running.remove(request)
         else:

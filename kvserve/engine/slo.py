@@ -2,20 +2,27 @@
 
 Under overload a FIFO queue makes every request late: the queue grows, each newcomer waits longer
 than the last, and a large batch slows every step. Goodput (requests that meet both targets per
-second) then collapses, although the engine is busy. Two controls keep it up:
+second) then collapses, although the engine is busy. Three controls keep it up:
 
+- Step length: a step's tokens are capped so that the step, as the step-cost model
+  (kvserve/engine/step_cost.py) predicts it, ends within a quarter of the TTFT target and within
+  the TPOT target. A newcomer then never waits long for the step in progress, and a prompt chunk
+  does not stretch every running request's inter-token time.
 - TPOT: each running request gets one token per step, so the step time is its inter-token time.
   An additive-increase / multiplicative-decrease limit on the number of running requests keeps a
   smoothed step time under the target (less a margin for the host's own per-token work). It only
   gates admissions; running requests are never preempted for it, so after a cut the next waits
-  until the batch has shrunk under the limit (as TCP cuts once per round trip). It is measured, not modelled, so
-  it follows whatever the step costs on this machine (prompt chunks included).
-- TTFT (with `slo_shed`): a request that can no longer start in time is rejected rather than
-  served late. At arrival, when it would have to wait for a running slot, the wait is predicted
-  from how many running requests must finish first and the recent completion rate; a waiting request whose
-  deadline arrives before it was scheduled is rejected in the queue. Either way the client gets a
-  clear "overloaded" error (HTTP 503) at once instead of an answer it has stopped waiting for, and
-  the capacity goes to requests that can still be served in time.
+  until the batch has shrunk under the limit (as TCP cuts once per round trip). It is measured, not
+  modelled, so it follows whatever the step costs on this machine (prompt chunks included).
+- TTFT (with `slo_shed`): a request that cannot get its first token in time is rejected rather
+  than served late. At arrival, the steps ahead of it are simulated (`first_token_delay_s`): the
+  requests running and queued (and those accepted by the server but not yet in the engine), with
+  their prompt tokens left, the step budget, the running limit, and the step-cost model, which a
+  start-up calibration primes, so the prediction holds from the first request on. A waiting request
+  whose first token could no longer come in time, even if it were scheduled next, is rejected in
+  the queue. Either way the client gets a clear "overloaded" error (HTTP 503) at once instead of an
+  answer it has stopped waiting for, and the capacity goes to requests that can still be served in
+  time.
 
 Without targets (the default) none of this runs and scheduling is plain continuous batching.
 """
@@ -26,21 +33,29 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
+
+from kvserve.engine.step_cost import StepCoefficients, StepCostModel, StepShape
 
 # The step time is held under this fraction of the TPOT target: the host's per-token work
 # (detokenizing, streaming) adds to the time a client sees between tokens.
 TPOT_MARGIN = 0.85
 # Requests are shed when their first token would come after this fraction of the TTFT target:
-# the estimate is a smoothed step time, and the token still has to reach the client.
+# the estimate is a model, and the token still has to reach the client.
 TTFT_MARGIN = 0.9
+# A step may last at most this fraction of the TTFT target: a request arriving just after a step
+# began waits for all of it before its own prompt can start.
+STEP_SHARE_OF_TTFT = 0.25
+# However tight the targets, a step computes its decodes and at least this many prompt tokens, so
+# prompts always progress.
+MIN_PROMPT_TOKENS_PER_STEP = 16
 # The limit grows while the smoothed step time is under this fraction of the held target.
 GROW_BELOW = 0.9
 DECREASE_FACTOR = 0.9         # multiplicative decrease per step over the target
 INCREASE_STEP = 0.25          # additive increase per step under it (one more request per 4 steps)
 STEP_TIME_SMOOTHING = 0.2     # weight of the newest step in the exponential average
-COMPLETION_WINDOW_S = 10.0    # completions counted for the service-rate estimate
-MIN_COMPLETIONS_FOR_RATE = 4  # fewer than this: no prediction at arrival (only the in-queue deadline)
+# A simulation of the steps ahead gives up past this many (the answer is then "too late").
+MAX_SIMULATED_STEPS = 100_000
 
 
 class RequestOverloaded(RuntimeError):
@@ -58,8 +73,107 @@ class SLOTargets:
         return self.ttft_s is not None or self.tpot_s is not None
 
 
+@dataclass(frozen=True)
+class PendingWork:
+    """One request (one sample) the engine has yet to finish, as the simulation needs it."""
+    prompt_tokens_left: int      # tokens to compute before its next token; 0 while it decodes
+    output_tokens_left: int      # tokens it may still generate (max_tokens less those out)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the steps ahead depend on, copied on the engine thread so that the server's threads can
+    predict without touching the scheduler."""
+    running: tuple[PendingWork, ...] = ()     # in running order
+    waiting: tuple[PendingWork, ...] = ()     # in queue order
+    token_budget: int = 1                     # max_num_batched_tokens
+    max_running: int = 1                      # the running limit (TPOT) or max_num_seqs
+    max_step_s: Optional[float] = None        # the step-length cap (see step_token_budget)
+    step_cost: Optional[StepCoefficients] = None
+
+
+def step_token_budget(token_budget: int, max_step_s: Optional[float], step_cost: Optional[StepCoefficients],
+                      num_sequences: int) -> int:
+    """The tokens a step of `num_sequences` requests may hold: the configured budget, cut so that the
+    step ends within max_step_s, but never below its decodes plus a little prompt progress."""
+    if max_step_s is None or step_cost is None:
+        return token_budget
+    room = max_step_s - step_cost.fixed_s - step_cost.per_sequence_s * num_sequences
+    fitting = math.floor(room / step_cost.per_token_s) if step_cost.per_token_s > 0 else token_budget
+    return max(1, min(token_budget, max(fitting, num_sequences + MIN_PROMPT_TOKENS_PER_STEP)))
+
+
+def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s: float = math.inf) -> float:
+    """Seconds until every request in `new`, queued behind `load`, has its first token, by stepping
+    the scheduler's rules forward: running requests first, then admissions in queue order up to the
+    running limit, decodes one token each, prompt chunks in order under the step's token budget, each
+    step costing what the step-cost model says. Decoding requests leave after their output tokens
+    left (an upper bound: EOS may end them sooner) and cache hits are not counted, so the delay errs
+    long. KV capacity is not simulated. Stops early once past `horizon_s`."""
+    cost = load.step_cost
+    targets = list(new)
+    if cost is None or not targets:
+        return 0.0
+    queue: collections.deque[list] = collections.deque()    # [prompt tokens left, output tokens left, is new]
+    prefilling: collections.deque[list] = collections.deque()
+    leaving: collections.Counter[int] = collections.Counter()  # step after which that many decoders leave
+    num_decoding = 0
+    for work in load.running:
+        if work.prompt_tokens_left > 0:
+            prefilling.append([work.prompt_tokens_left, work.output_tokens_left, False])
+        elif work.output_tokens_left > 0:
+            num_decoding += 1
+            leaving[work.output_tokens_left] += 1
+    for work in load.waiting:
+        queue.append([max(1, work.prompt_tokens_left), work.output_tokens_left, False])
+    for work in targets:
+        queue.append([max(1, work.prompt_tokens_left), work.output_tokens_left, True])
+    targets_left, elapsed, step = len(targets), 0.0, 0
+    for _ in range(MAX_SIMULATED_STEPS):
+        while queue and num_decoding + len(prefilling) < load.max_running:
+            prefilling.append(queue.popleft())
+        if not prefilling:
+            # Only decodes until the next request leaves and frees a running slot: skip there.
+            if not leaving:
+                return math.inf
+            next_leave = min(leaving)
+            elapsed += (next_leave - step) * cost.seconds(num_decoding, num_decoding)
+            step = next_leave
+            num_decoding -= leaving.pop(step)
+            if elapsed > horizon_s:
+                return elapsed
+            continue
+        step += 1
+        budget = step_token_budget(load.token_budget, load.max_step_s, cost, num_decoding + len(prefilling))
+        room = max(0, budget - num_decoding)
+        num_tokens, num_sequences, num_done = num_decoding, num_decoding, 0
+        for item in prefilling:
+            if room <= 0:
+                break
+            take = min(item[0], room)
+            item[0] -= take
+            room -= take
+            num_tokens += take
+            num_sequences += 1
+            num_done += item[0] == 0
+        elapsed += cost.seconds(num_tokens, num_sequences)
+        for _ in range(num_done):      # chunks go in order, so the finished prompts lead the deque
+            _, outputs_left, is_new = prefilling.popleft()
+            if is_new:
+                targets_left -= 1
+                if not targets_left:
+                    return elapsed
+            if outputs_left > 1:
+                num_decoding += 1
+                leaving[step + outputs_left - 1] += 1
+        num_decoding -= leaving.pop(step, 0)
+        if elapsed > horizon_s:
+            return elapsed
+    return math.inf
+
+
 class SLOController:
-    """Step-time smoothing, the running-request limit and the service-rate estimate."""
+    """Step-time smoothing, the running-request limit, the step-cost model and the shedding rules."""
 
     def __init__(self, targets: SLOTargets, max_num_seqs: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -67,16 +181,18 @@ class SLOController:
         self.max_num_seqs = max_num_seqs
         self.clock = clock
         self.step_time_s: Optional[float] = None          # exponential average over busy steps
+        self.step_cost = StepCostModel()
         self._limit = float(max_num_seqs)
-        self._completions: collections.deque[float] = collections.deque()
         self.num_rejected_at_arrival = 0
         self.num_rejected_in_queue = 0
 
     # --- observations --------------------------------------------------------------------------
-    def observe_step(self, seconds: float, num_running: int) -> None:
-        """One engine step that ran `num_running` requests took `seconds`."""
+    def observe_step(self, seconds: float, num_running: int, num_tokens: int = 0) -> None:
+        """One engine step that ran `num_running` requests and `num_tokens` tokens took `seconds`."""
         if seconds <= 0 or num_running <= 0:
             return
+        if num_tokens > 0:
+            self.step_cost.observe(StepShape(num_tokens, num_running), seconds)
         if self.step_time_s is None:
             self.step_time_s = seconds
         else:
@@ -95,60 +211,65 @@ class SLOController:
             # the limit holds back is rejected at arrival and never shows up as a queue.
             self._limit = min(float(self.max_num_seqs), self._limit + INCREASE_STEP)
 
-    def observe_completion(self) -> None:
-        now = self.clock()
-        self._completions.append(now)
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._completions and self._completions[0] < now - COMPLETION_WINDOW_S:
-            self._completions.popleft()
-
     # --- decisions -----------------------------------------------------------------------------
     @property
     def step_time_target_s(self) -> Optional[float]:
         return None if self.targets.tpot_s is None else self.targets.tpot_s * TPOT_MARGIN
 
     @property
+    def max_step_s(self) -> Optional[float]:
+        """How long one step may take under the targets (None: no cap)."""
+        caps = []
+        if self.targets.ttft_s is not None:
+            caps.append(self.targets.ttft_s * STEP_SHARE_OF_TTFT)
+        if self.step_time_target_s is not None:
+            caps.append(self.step_time_target_s)
+        return min(caps) if caps else None
+
+    @property
     def max_running(self) -> int:
         """How many requests may run at once under the TPOT target."""
         return max(1, min(self.max_num_seqs, int(self._limit)))
 
-    def completion_rate(self) -> Optional[float]:
-        """Completed requests per second over the recent window; None until enough were seen."""
-        now = self.clock()
-        self._trim(now)
-        if len(self._completions) < MIN_COMPLETIONS_FOR_RATE:
-            return None
-        span = max(now - self._completions[0], 1e-3)
-        return len(self._completions) / span
+    def step_token_budget(self, token_budget: int, num_sequences: int) -> int:
+        return step_token_budget(token_budget, self.max_step_s, self.step_cost.coefficients, num_sequences)
 
-    def time_to_first_token_s(self, num_prompt_tokens: int, token_budget: int) -> float:
-        """Once scheduled, a prompt needs this long to its first token: one step per budget's worth."""
-        steps = max(1, math.ceil(num_prompt_tokens / max(1, token_budget)))
-        return steps * (self.step_time_s or 0.0)
-
-    def reject_at_arrival(self, num_ahead: int, num_prompt_tokens: int, token_budget: int) -> Optional[str]:
-        """Why a request cannot start in time, or None, when it gets a running slot only after
-        `num_ahead` + 1 running requests have finished."""
+    def shed_deadline_s(self) -> Optional[float]:
+        """Seconds after arrival by which a first token must be predicted, when shedding."""
         if not self.targets.shed or self.targets.ttft_s is None:
             return None
-        rate = self.completion_rate()
-        if rate is None:
+        return self.targets.ttft_s * TTFT_MARGIN
+
+    def reject_at_arrival(self, load: EngineLoad, new: list[PendingWork], waited_s: float) -> Optional[str]:
+        """Why requests arriving behind `load`, after waiting `waited_s` already (tokenization, the
+        server's queue), cannot get their first token in time, or None."""
+        deadline = self.shed_deadline_s()
+        if deadline is None:
             return None
-        wait = (num_ahead + 1) / rate
-        expected = wait + self.time_to_first_token_s(num_prompt_tokens, token_budget)
-        if expected <= self.targets.ttft_s * TTFT_MARGIN:
+        delay = first_token_delay_s(load, new, horizon_s=deadline - waited_s)
+        if waited_s + delay <= deadline:
             return None
-        self.num_rejected_at_arrival += 1
-        return (f"server overloaded: {num_ahead + 1} running requests must finish before this one starts, at "
-                f"{rate:.2f} completions/s, so the first token would come after ~{expected:.1f} s, over the "
+        ahead = sum(w.prompt_tokens_left for w in load.running + load.waiting)
+        return (f"server overloaded: the first token would come after ~{waited_s + delay:.1f} s "
+                f"({ahead} prompt tokens queued ahead, {len(load.running)} requests running), over the "
                 f"{self.targets.ttft_s:g} s TTFT target; retry later")
 
-    def missed_deadline(self, arrival_time: float, num_prompt_tokens: int, token_budget: int,
+    def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int, token_budget: int) -> float:
+        """The least time a prompt needs once scheduled: its chunks beside the running decodes."""
+        cost = self.step_cost.coefficients
+        if cost is None:
+            return 0.0
+        budget = self.step_token_budget(token_budget, num_decoding + 1)
+        per_step = max(1, budget - num_decoding)
+        steps = max(1, math.ceil(num_prompt_tokens / per_step))
+        last = num_prompt_tokens - (steps - 1) * per_step
+        return ((steps - 1) * cost.seconds(num_decoding + per_step, num_decoding + 1)
+                + cost.seconds(num_decoding + last, num_decoding + 1))
+
+    def missed_deadline(self, arrival_time: float, num_prompt_tokens: int, num_decoding: int, token_budget: int,
                         now: float) -> bool:
         """A waiting request that, scheduled now, would still produce its first token too late."""
-        if not self.targets.shed or self.targets.ttft_s is None:
+        deadline = self.shed_deadline_s()
+        if deadline is None:
             return False
-        expected = now - arrival_time + self.time_to_first_token_s(num_prompt_tokens, token_budget)
-        return expected > self.targets.ttft_s * TTFT_MARGIN
+        return now - arrival_time + self.prefill_seconds(num_prompt_tokens, num_decoding, token_budget) > deadline
