@@ -233,15 +233,99 @@ class BurstPoint:
     errors: list[str] = field(default_factory=list)
 
 
+async def _raw_burst_request(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], payload: bytes,
+                             token_ids: bool, start: float, go: asyncio.Event) -> RequestResult:
+    """One streamed request on an open connection, timed from the moment its bytes are written.
+    A burst through an HTTP client library would time the client: on a 2-core machine, building and
+    writing 200 requests takes it longer than the server takes to answer them."""
+    reader, writer = connection
+    result = RequestResult(send_time=0.0)
+    await go.wait()
+    writer.write(payload)
+    await writer.drain()
+    sent = time.perf_counter()
+    result.send_time = sent - start
+    try:
+        status_line = await reader.readline()
+        status = int(status_line.split()[1])
+        head = await reader.readuntil(b"\r\n\r\n")
+        if status != 200:
+            result.error = f"HTTP {status}: {(await reader.read())[:200]!r}"
+            result.error_time = time.perf_counter() - sent
+            return result
+        chunked = b"chunked" in head.lower()
+        async for line in _sse_lines(reader, chunked):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                result.error = chunk["error"].get("message", "error")
+                result.error_time = time.perf_counter() - sent
+                return result
+            first = (chunk.get("choices") if token_ids else
+                     any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])))
+            if result.ttft is None and first:
+                result.ttft = time.perf_counter() - sent
+            if chunk.get("usage"):
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        result.e2e = time.perf_counter() - sent
+        if result.ttft is None:
+            result.ttft = result.e2e
+    except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.error_time = time.perf_counter() - sent
+    finally:
+        writer.close()
+    return result
+
+
+async def _sse_lines(reader: asyncio.StreamReader, chunked: bool):
+    """Lines of an SSE body, de-chunked (uvicorn sends streamed bodies with chunked encoding)."""
+    buffer = b""
+    while True:
+        if chunked:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            buffer += await reader.readexactly(size)
+            await reader.readexactly(2)
+        else:
+            data = await reader.read(65536)
+            if not data:
+                break
+            buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8").rstrip("\r")
+
+
 async def run_burst(url: str, model: str, count: int, args: argparse.Namespace,
                     headers: dict[str, str]) -> BurstPoint:
     plan = make_requests(1.0, count, args.min_tokens, args.max_tokens, args.seed, args.prompt_tokens)[:count]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, url, model, prompt, max_tokens, start, headers)
-                                         for _, prompt, max_tokens in plan))
-        duration = time.perf_counter() - start
+    host_port = url.split("://", 1)[1].rstrip("/")
+    host, port = host_port.rsplit(":", 1)
+    payloads = []
+    for _, prompt, max_tokens in plan:
+        common = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        if isinstance(prompt, list):
+            path, body = "/v1/completions", {**common, "prompt": prompt, "ignore_eos": True, "logprobs": 0}
+        else:
+            path, body = "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
+        data = json.dumps(body).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        payloads.append((f"POST {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(data)}\r\nConnection: close\r\n{extra}\r\n").encode() + data)
+    # Connections are opened first and not timed; then every request is written at once.
+    connections = [await asyncio.open_connection(host, int(port)) for _ in plan]
+    go = asyncio.Event()
+    start = time.perf_counter()
+    tasks = [asyncio.ensure_future(_raw_burst_request(conn, payload, isinstance(prompt, list), start, go))
+             for conn, payload, (_, prompt, _) in zip(connections, payloads, plan)]
+    go.set()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=args.request_timeout)
+    duration = time.perf_counter() - start
     done = [r for r in results if r.error is None and r.e2e is not None]
     shed = [r for r in results if r.error and ("overloaded" in r.error or r.error.startswith("HTTP 503"))]
     other = [r for r in results if r.error and r not in shed]

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
+from kvserve.engine.step_cost import StepCoefficients
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -63,6 +64,10 @@ class EngineSnapshot:
     slo_step_time_s: Optional[float] = None
     slo_rejected_at_arrival: int = 0
     slo_rejected_in_queue: int = 0
+    # The step-cost model's coefficients (seconds: fixed, per token, per sequence) and the token cap
+    # of the next step they give: what the shedding predictions and the step length rest on.
+    slo_step_cost: Optional[StepCoefficients] = None
+    slo_step_token_budget: Optional[int] = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -468,16 +473,18 @@ class AsyncEngine:
                 num_preemptions_total=engine.scheduler.num_preemptions_total,
                 num_steps_total=self._num_steps, num_step_errors_total=self._num_step_errors,
                 requests_finished_total=dict(stats.requests_finished_total),
-                **_slo_fields(engine.scheduler.slo, self.arrival_gate))
+                **_slo_fields(engine.scheduler, self.arrival_gate))
             if self.arrival_gate is not None:
                 self.arrival_gate.publish(engine.scheduler.make_load())
         except Exception:
             logger.exception("could not read engine state for the metrics snapshot")
 
 
-def _slo_fields(slo: Optional[SLOController], gate: Optional[ArrivalGate]) -> dict[str, Any]:
+def _slo_fields(scheduler: Any, gate: Optional[ArrivalGate]) -> dict[str, Any]:
+    slo: Optional[SLOController] = scheduler.slo
     if slo is None:
         return {}
     at_arrival = slo.num_rejected_at_arrival + (gate.num_rejected if gate is not None else 0)
     return {"slo_max_running": slo.max_running, "slo_step_time_s": slo.step_time_s,
-            "slo_rejected_at_arrival": at_arrival, "slo_rejected_in_queue": slo.num_rejected_in_queue}
+            "slo_rejected_at_arrival": at_arrival, "slo_rejected_in_queue": slo.num_rejected_in_queue,
+            "slo_step_cost": slo.step_cost.coefficients, "slo_step_token_budget": scheduler.step_token_budget()}

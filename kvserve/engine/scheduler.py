@@ -138,7 +138,8 @@ class Scheduler:
         # Without chunking a prompt runs whole in one step, so its step cannot be shortened.
         return self.slo is not None and self.config.enable_chunked_prefill and self.slo.max_step_s is not None
 
-    def _step_token_budget(self) -> int:
+    def step_token_budget(self) -> int:
+        """Tokens the next step may hold: max_num_batched_tokens, or less under latency targets."""
         budget = self.config.max_num_batched_tokens
         if not self._caps_step_length:
             return budget
@@ -160,7 +161,7 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._step_token_budget()
+        budget = self.step_token_budget()
         chunked = self.config.enable_chunked_prefill
 
         index = 0

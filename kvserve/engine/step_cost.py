@@ -22,6 +22,9 @@ from typing import Iterable, Optional
 
 # Weight of a step after each newer one: ~100 steps of memory, a few seconds of a busy GPU engine.
 FORGETTING = 0.99
+# A calibration sample counts as this many steps: the first few real steps (often odd ones: a warm-up
+# request, one decode) must not swing the fit away from it before the data covers other shapes.
+CALIBRATION_WEIGHT = 8.0
 # Ridge term (relative to each feature's own scale) so that a fit of steps of one shape stays solvable.
 RIDGE = 1e-6
 _NUM_FEATURES = 3
@@ -72,7 +75,7 @@ class StepCostModel:
 
     def calibrate(self, samples: Iterable[tuple[StepShape, float]]) -> None:
         for shape, seconds in samples:
-            self.observe(shape, seconds)
+            self.observe(shape, seconds, weight=CALIBRATION_WEIGHT)
 
     @property
     def coefficients(self) -> Optional[StepCoefficients]:

@@ -73,6 +73,8 @@ METRIC_NAMES = (
 SLO_METRIC_NAMES = (
     f"{NAMESPACE}:slo_max_running_requests",
     f"{NAMESPACE}:slo_step_time_seconds",
+    f"{NAMESPACE}:slo_step_token_budget",
+    f"{NAMESPACE}:slo_step_cost_seconds",
     f"{NAMESPACE}:requests_shed_total",
     f"{NAMESPACE}:requests_slo_total",
 )
@@ -124,6 +126,17 @@ class _EngineStateCollector:
                         snap.slo_max_running)
             yield gauge("slo_step_time_seconds", "Smoothed engine step time the running limit is held by.",
                         snap.slo_step_time_s or 0.0)
+            if snap.slo_step_token_budget is not None:
+                yield gauge("slo_step_token_budget", "Tokens the next step may hold under the latency targets.",
+                            snap.slo_step_token_budget)
+            if snap.slo_step_cost is not None:
+                cost = GaugeMetricFamily(f"{NAMESPACE}:slo_step_cost_seconds", "Step-cost model: seconds of a step "
+                                         "= fixed + per_token x tokens + per_sequence x sequences.",
+                                         labels=labels + ["term"])
+                for term, value in (("fixed", snap.slo_step_cost.fixed_s), ("per_token", snap.slo_step_cost.per_token_s),
+                                    ("per_sequence", snap.slo_step_cost.per_sequence_s)):
+                    cost.add_metric(values + [term], value)
+                yield cost
             shed = CounterMetricFamily(f"{NAMESPACE}:requests_shed", "Requests rejected (HTTP 503) because they "
                                        "could not start within the TTFT target, by where.", labels=labels + ["where"])
             shed.add_metric(values + ["arrival"], snap.slo_rejected_at_arrival)
