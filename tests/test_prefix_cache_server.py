@@ -59,8 +59,13 @@ def test_a_tenant_never_hits_another_tenants_prefix(server):
     url, engine = server
     answer_a, hits = _chat(url, "sk-a", "Where is the reset button?")
     assert hits == 0
-    answer_b, hits = _chat(url, "sk-b", "Where is the reset button?", tenant="tenant-a")   # the key's tenant wins
+    claim = httpx.post(url + "/v1/chat/completions", headers={"Authorization": "Bearer sk-b"}, timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tenant": "tenant-a"})
+    assert claim.status_code == 403 and claim.json()["error"]["param"] == "tenant"   # tenants come from keys
+    answer_b, hits = _chat(url, "sk-b", "Where is the reset button?")
     assert hits == 0 and answer_b == answer_a
+    _, hits = _chat(url, "sk-b", "Where is the reset button?", tenant="tenant-b")        # its own: fine
+    assert hits > 0
     answer_a2, hits = _chat(url, "sk-a", "Where is the reset button?")
     assert hits > 0 and answer_a2 == answer_a
     _, hits = _chat(url, "sk-a", "How do I update the firmware?")          # shares the system prompt

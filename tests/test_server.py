@@ -213,7 +213,7 @@ def test_chat_logprobs_and_sampling_options(server, client):
                                                  {"role": "user", "content": "Say hi."}],
         max_tokens=5, temperature=0.7, top_p=0.9, seed=7, n=2, logprobs=True, top_logprobs=2,
         presence_penalty=0.5, frequency_penalty=0.5, stop=["\n\n"], user="test-user",
-        extra_body={"top_k": 20, "min_p": 0.05, "priority": 1, "tenant": "t"})
+        extra_body={"top_k": 20, "min_p": 0.05, "priority": 1})
     assert [c.index for c in result.choices] == [0, 1]
     for choice in result.choices:
         content = choice.logprobs.content
@@ -407,7 +407,8 @@ def test_bad_inputs_never_reach_the_engine_and_server_keeps_serving(server, clie
     prompt_tokens = metric_value(before, "kvserve:prompt_tokens_total")
     for _, path, body, _, _ in BAD_INPUTS:
         kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-        httpx.post(server.url + path, headers=server.headers, timeout=30, **kwargs)
+        httpx.post(server.url + path, headers={**server.headers, "Content-Type": "application/json"}, timeout=30,
+                   **kwargs)
     after = _metrics(server)
     assert metric_value(after, "kvserve:prompt_tokens_total") == prompt_tokens
     assert metric_value(after, "kvserve:num_requests_waiting") == 0
@@ -418,12 +419,13 @@ def test_bad_inputs_never_reach_the_engine_and_server_keeps_serving(server, clie
 
 def test_oversized_body_is_refused_before_reading(server):
     big = b'{"prompt": "' + b"a" * (MAX_REQUEST_BYTES + 1000) + b'"}'
-    r = httpx.post(server.url + "/v1/completions", content=big, headers=server.headers, timeout=30)
+    r = httpx.post(server.url + "/v1/completions", content=big, timeout=30,
+                   headers={**server.headers, "Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     # Declared too large: answered from the header alone, without sending the body.
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=10) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100000000\r\n\r\n{")
         reply = conn.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413")

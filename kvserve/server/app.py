@@ -1,10 +1,16 @@
 """The FastAPI app of `kvserve serve`: routes, API-key auth, lifespan, and `run_server(args)`.
 
-Request bodies are read here, not by FastAPI, so every failure has its own message: an oversized
-body is refused from its Content-Length before a byte is read (413), then come invalid UTF-8,
-malformed JSON, a non-object body, and schema errors (400, naming the field). The OpenAPI document
-still describes every body (the schemas are added to it by `_openapi`), so schema-driven clients
-and fuzzers see the real API.
+Request bodies are read here, not by FastAPI, so every failure has its own message: a body not
+labelled `Content-Type: application/json` is refused (415), an oversized body is refused from its
+Content-Length before a byte is read (413), then come invalid UTF-8, malformed JSON, a non-object
+body, and schema errors (400, naming the field). The OpenAPI document still describes every body
+(the schemas are added to it by `_openapi`), so schema-driven clients and fuzzers see the real API.
+
+Web pages: a browser lets any page send text/plain, form and multipart POSTs to any origin without
+asking (no CORS preflight), so only JSON-labelled bodies are read, and no CORS headers are ever
+sent. A page that rebinds its own DNS name to 127.0.0.1 is same-origin with a local server and
+needs neither; its requests still carry its name in Host, which `_HostCheck` refuses (403) unless
+--allowed-hosts names it (on a loopback --host, only loopback names are served by default).
 
 /health and /metrics need no API key (probes and Prometheus scrape them); /v1/* do when keys are
 configured.
@@ -21,7 +27,7 @@ import os
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -31,7 +37,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.slo import SLOTargets
 from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.config import ServerConfig, server_config_from_args
-from kvserve.server.errors import APIError, format_validation_errors, install_error_handlers
+from kvserve.server.errors import APIError, echo, format_validation_errors, install_error_handlers
 from kvserve.server.protocol import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      PrefixPinRequest, PrefixUnpinRequest, TokenizeRequest)
 from kvserve.server.serving import OpenAIServing, SSEStream
@@ -72,7 +78,26 @@ def _body_schema_ref(model: type[BaseModel]) -> dict[str, Any]:
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
+def check_json_content_type(header: Optional[str]) -> None:
+    """415 unless the body is labelled application/json (any parameters; charset, if given, UTF-8).
+    Not application/*+json: browsers' reporting machinery posts application/reports+json, and no
+    client of an OpenAI API needs it."""
+    if header is None:
+        raise APIError(415, "Content-Type is missing: send `Content-Type: application/json` "
+                            "(curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
+    media_type, *parameters = header.split(";")
+    if media_type.strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type {echo(header)} is not accepted: request bodies are JSON, sent with "
+                            f"`Content-Type: application/json`", code="unsupported_media_type")
+    for parameter in parameters:
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise APIError(415, f"Content-Type {echo(header)}: request bodies are read as UTF-8 "
+                                f"(application/json; charset=utf-8)", code="unsupported_media_type")
+
+
 async def read_body(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    check_json_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length")
     if length is not None:
         try:
@@ -226,8 +251,10 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
                                           tenant)
 
     @app.get("/v1/prefix/pins", summary="your tenant's active pins")
-    async def list_pins(tenant: Optional[str] = Depends(authenticate)) -> Any:
-        return await serving.list_pins(tenant)
+    async def list_pins(tenant: Optional[str] = Depends(authenticate),
+                        requested: Optional[str] = Query(None, alias="tenant", max_length=256,
+                                                         description="with --trust-request-tenant")) -> Any:
+        return await serving.list_pins(tenant, requested)
 
     # vLLM serves these at the root too; same handlers, kept out of the schema to avoid duplicates.
     app.add_api_route("/tokenize", tokenize, methods=["POST"], include_in_schema=False)
@@ -246,7 +273,40 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    allowed_hosts = config.allowed_host_names()
+    if allowed_hosts is not None:
+        app.add_middleware(_HostCheck, allowed=allowed_hosts, on_error=metrics.count_error)
     return app
+
+
+class _HostCheck:
+    """Refuses a request whose Host header names a host this server is not (403), before any route
+    runs: the DNS-rebinding defence (see the module docstring)."""
+
+    def __init__(self, app: Any, allowed: frozenset[str], on_error: Any) -> None:
+        self.app = app
+        self.allowed = allowed
+        self.on_error = on_error
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host")
+            # No Host at all is not a browser (every browser sends one): nothing to defend against.
+            if host is not None and _host_name(host.decode("latin-1")) not in self.allowed:
+                self.on_error(403)
+                error = APIError(403, f"Host {echo(host.decode('latin-1'))} is not served here: start the server "
+                                      "with --allowed-hosts naming it", code="host_not_allowed")
+                await JSONResponse(error.body(), status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """'Example.COM:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 from dataclasses import dataclass
@@ -24,8 +25,13 @@ class ServerConfig:
         None, "model name clients send and /v1/models lists (default: derived from --model)")
     api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on /v1 endpoints "
                                         "(also read from $KVSERVE_API_KEY)")
-    api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name; any listed key "
-                                              "is accepted and sets the request's tenant")
+    api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name (or null); any listed "
+                                              "key is accepted and sets the request's tenant")
+    trust_request_tenant: bool = _opt(False, "honour the request's `tenant` field for keys without a tenant: only "
+                                             "behind a gateway that authenticates users and sets it")
+    allowed_hosts: Optional[str] = _opt(None, "comma-separated names the Host header may carry (DNS-rebinding "
+                                              "defence); default: loopback names if --host is loopback, else any; "
+                                              "'*': any")
     max_request_bytes: int = _opt(4 << 20, "largest request body accepted (e.g. 4MiB); larger ones get 413 "
                                            "before anything is parsed", bytes=True)
     max_n: int = _opt(16, "largest n (samples per prompt) a request may ask for")
@@ -45,6 +51,18 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be in [0, 20] (the sampler's limit), got {self.max_logprobs}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.allowed_hosts is not None and not _host_list(self.allowed_hosts):
+            raise ValueError(f"allowed_hosts must name at least one host (or '*'), got {self.allowed_hosts!r}")
+
+    def allowed_host_names(self) -> Optional[frozenset[str]]:
+        """Host header names served (lowercase, no port); None: any. A server on a loopback address
+        answers only to loopback names by default: a web page that rebinds its own DNS name to
+        127.0.0.1 is same-origin with the server, so CORS and Content-Type checks do not stop it,
+        but its requests still carry its name in Host."""
+        if self.allowed_hosts is not None:
+            names = _host_list(self.allowed_hosts)
+            return None if "*" in names else names
+        return _LOOPBACK_NAMES if _is_loopback(self.host) else None
 
     def load_api_keys(self) -> dict[str, Optional[str]]:
         """API key -> tenant (None for --api-key). Empty: no authentication."""
@@ -55,15 +73,32 @@ class ServerConfig:
                     mapping = json.load(f)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"cannot read --api-keys-file {self.api_keys_file!r}: {exc}") from None
+            # A tenant "" would be the anonymous namespace that --api-key and keyless requests share.
             if not isinstance(mapping, dict) or not all(
-                    isinstance(k, str) and k and (v is None or isinstance(v, str)) for k, v in mapping.items()):
+                    isinstance(k, str) and k and (v is None or (isinstance(v, str) and v)) for k, v in mapping.items()):
                 raise ValueError(f"--api-keys-file {self.api_keys_file!r} must be a JSON object of "
-                                 "non-empty key strings to tenant strings")
+                                 "non-empty key strings to non-empty tenant strings (or null for no tenant)")
             keys.update(mapping)
         api_key = self.api_key or os.environ.get("KVSERVE_API_KEY")
         if api_key:
             keys[api_key] = keys.get(api_key)
         return keys
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _host_list(text: str) -> frozenset[str]:
+    return frozenset(name.strip().lower() for name in text.split(",") if name.strip())
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

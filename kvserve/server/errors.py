@@ -2,7 +2,10 @@
 
 Every failure path of the server ends here. Messages name the problem (the field, the limit, the
 value) and never carry a traceback or a file path; unexpected exceptions become a generic 500 and
-are logged server-side only.
+are logged server-side only. Messages are written here, not copied from exceptions: a library's
+exception text can hold anything (a tokenizer's repr quotes its folder under the cache directory).
+A value the client sent is quoted through `echo`, which cuts it short (a 100 KB model name must
+not come back as a 100 KB error), and APIError cuts any message longer than _MAX_MESSAGE_CHARS.
 """
 
 from __future__ import annotations
@@ -25,13 +28,31 @@ _TYPE_BY_STATUS = {
 }
 
 
+_ECHO_CHARS = 64            # a client value quoted in a message: this many characters, then its length
+_MAX_MESSAGE_CHARS = 1000   # the backstop for a message that quotes too much anyway
+_MAX_PARAM_CHARS = 200
+
+
+def echo(value: object, limit: int = _ECHO_CHARS) -> str:
+    """A value the client sent, as a message quotes it: strings repr'd; anything longer than
+    `limit` characters cut there, with its full length."""
+    text = value if isinstance(value, str) else str(value)
+    shown = repr(text[:limit]) if isinstance(value, str) else text[:limit]
+    return shown if len(text) <= limit else f"{shown}... ({len(text)} characters)"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 class APIError(Exception):
     def __init__(self, status_code: int, message: str, *, param: Optional[str] = None,
                  code: Optional[str] = None, type: Optional[str] = None) -> None:
+        message = _cut(message, _MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.param = param
+        self.param = _cut(param, _MAX_PARAM_CHARS) if param is not None else None
         self.code = code
         self.type = type or _TYPE_BY_STATUS.get(status_code, "server_error" if status_code >= 500
                                                 else "invalid_request_error")
@@ -62,14 +83,19 @@ def from_value_error(exc: ValueError, default_param: Optional[str] = None) -> AP
 
 
 def format_validation_errors(errors: list[dict[str, Any]]) -> APIError:
-    """pydantic errors -> one 400 naming each bad field (`messages.0.role: Input should be ...`)."""
-    from kvserve.server.protocol import UNION_HINTS
+    """pydantic errors -> one 400 naming each bad field (`messages.0.role: Input should be ...`).
+    A recognised but unsupported field (protocol.UNSUPPORTED_ERROR) is named with its own message."""
+    from kvserve.server.protocol import UNION_HINTS, UNSUPPORTED_ERROR
     parts: list[str] = []
     params: list[str] = []
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        # Locations can hold the client's own dict keys: cut each part short.
+        loc = [_cut(str(p), _ECHO_CHARS) for p in err.get("loc", ()) if p != "body"]
         tag = next((i for i, p in enumerate(loc) if _is_type_tag(p)), None)
-        if tag is not None:
+        if err.get("type") == UNSUPPORTED_ERROR:
+            loc.append(err["ctx"]["field"])
+            message = str(err.get("msg"))
+        elif tag is not None:
             # A union field: pydantic reports one error per member; say once what the field takes.
             loc = loc[:tag]
             message = UNION_HINTS.get(loc[-1] if loc else "", "has the wrong type")
@@ -85,9 +111,15 @@ def format_validation_errors(errors: list[dict[str, Any]]) -> APIError:
         params.append(param)
     shown = parts[:5]
     more = f" (and {len(parts) - 5} more)" if len(parts) > 5 else ""
-    missing = all(err.get("type") == "missing" for err in errors)
+    kinds = {err.get("type") for err in errors}
+    if kinds == {"missing"}:
+        code = "missing_required_field"
+    elif kinds == {UNSUPPORTED_ERROR}:
+        code = "unsupported"
+    else:
+        code = "invalid_type"
     return APIError(400, "invalid request: " + "; ".join(shown) + more, param=(params[0] or None) if params else None,
-                    code="missing_required_field" if missing else "invalid_type")
+                    code=code)
 
 
 def _is_type_tag(part: str) -> bool:

@@ -1,9 +1,15 @@
 """Request schemas of the OpenAI-compatible API (pydantic, strict types).
 
 Strict mode: a string where a number belongs, or 1.0 where an integer belongs, is a 400 naming the
-field, not a silent coercion. Unknown fields are ignored, as OpenAI's own API and most servers do,
-so clients sending newer fields keep working. Range checks live in SamplingParams (one owner);
-what only the server can know (served model name, n limit, context length) lives in serving.py.
+field, not a silent coercion. Range checks live in SamplingParams (one owner); what only the server
+can know (served model name, n limit, context length) lives in serving.py.
+
+Fields this server does not know are ignored, as vLLM does, so clients sending newer fields keep
+working; but a field it recognises from OpenAI or vLLM and does not implement (guided
+decoding, tools, logit_bias, ...) is a 400 naming it (each model's UNSUPPORTED table), because
+ignoring it would answer 200 with output the client did not ask for. Each entry lists the values
+that leave the output unchanged (null always), which pass: SDKs send `tool_choice: "none"`,
+`logit_bias: {}` and the like by default.
 
 Extension fields beyond OpenAI's: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), priority / tenant,
@@ -12,9 +18,33 @@ and the prefix-cache fields cache_salt (vLLM's name), pin_ttl and pin_prefix_tok
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+UNSUPPORTED_ERROR = "unsupported_field"   # the pydantic error type errors.format_validation_errors names
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A field other servers take and this one does not: any value but null and `inert` is a 400."""
+    why: str
+    inert: tuple = ()
+
+    def accepts(self, value: Any) -> bool:
+        return value is None or any(type(value) is type(ok) and value == ok for ok in self.inert)
+
+
+def _unsupported(why: str, names: str, inert: tuple = ()) -> dict[str, Unsupported]:
+    return {name: Unsupported(why, inert) for name in names.split()}
+
+
+_TEMPLATE_KWARGS_HELP = ("variables for the chat template (e.g. enable_thinking); never tokenizer arguments, "
+                         "and not the names the template binds itself (messages, add_generation_prompt, ...)")
+_TENANT_HELP = ("tenant (extension): only with --trust-request-tenant, for a gateway that authenticates users; "
+                "otherwise tenants come from API keys and a different value is a 403")
 
 
 def _range(minimum: float, maximum: Optional[float] = None) -> dict[str, float]:
@@ -24,6 +54,35 @@ def _range(minimum: float, maximum: Optional[float] = None) -> dict[str, float]:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, rule in cls.UNSUPPORTED.items():
+                if name in data and not rule.accepts(data[name]):
+                    raise PydanticCustomError(UNSUPPORTED_ERROR, "{why}", {"field": name, "why": rule.why})
+        return data
+
+
+_GUIDED = _unsupported("guided decoding (vLLM's guided_* and structured_outputs) is not supported by this server",
+                       "guided_json guided_regex guided_choice guided_grammar guided_whitespace_pattern "
+                       "guided_decoding_backend structured_outputs")
+# Both generation endpoints: constraints and vLLM sampling options the engine does not have.
+_SAMPLING_UNSUPPORTED = {
+    **_GUIDED,
+    "response_format": Unsupported("only {\"type\": \"text\"} is supported", ({"type": "text"},)),
+    "logit_bias": Unsupported("not supported by this server", ({},)),
+    **_unsupported("not supported by this server", "logits_processors allowed_token_ids vllm_xargs"),
+    "bad_words": Unsupported("not supported by this server", ([],)),
+    "use_beam_search": Unsupported("beam search is not supported by this server", (False,)),
+    "prompt_logprobs": Unsupported("not supported: use /v1/completions with echo and logprobs"),
+    "truncate_prompt_tokens": Unsupported("prompt truncation is not supported: shorten the prompt"),
+    "spaces_between_special_tokens": Unsupported("only true is supported", (True,)),
+    **_unsupported("token-id output is not supported by this server",
+                   "return_tokens_as_token_ids return_token_ids", (False,)),
+}
 
 
 class StreamOptions(_Strict):
@@ -32,6 +91,7 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict):
+    UNSUPPORTED = _SAMPLING_UNSUPPORTED
     model: Optional[str] = Field(None, description="a name from /v1/models; omitted means the served model")
     temperature: Optional[float] = Field(None, description="0 = greedy; default 1", json_schema_extra=_range(0))
     top_p: Optional[float] = Field(None, description="nucleus mass in (0, 1]; default 1",
@@ -49,14 +109,13 @@ class _SamplingFields(_Strict):
     presence_penalty: Optional[float] = Field(None, json_schema_extra=_range(-2, 2))
     frequency_penalty: Optional[float] = Field(None, json_schema_extra=_range(-2, 2))
     repetition_penalty: Optional[float] = Field(None, json_schema_extra={"exclusiveMinimum": 0})
-    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported: must be empty")
     user: Optional[str] = None
     min_tokens: int = Field(0, json_schema_extra=_range(0))
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, description="scheduling priority (extension; recorded, used by later issues)")
-    tenant: Optional[str] = Field(None, description="tenant name (extension); an API key's tenant wins")
+    tenant: Optional[str] = Field(None, max_length=256, description=_TENANT_HELP)
     cache_salt: Optional[str] = Field(None, description="prefix-cache salt (extension): cached prefixes are shared "
                                                         "only between requests with the same salt", max_length=256)
     pin_ttl: Optional[float] = Field(None, description="pin this prompt's cached prefix for this many seconds "
@@ -67,6 +126,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
+    UNSUPPORTED = {**_SAMPLING_UNSUPPORTED, "suffix": Unsupported("not supported by this server")}
     prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
         ..., description="a string, a list of strings, a list of token ids or a list of token-id lists")
     max_tokens: Optional[int] = Field(16, description="tokens to generate per sample (default 16)",
@@ -74,7 +134,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = Field(False, description="prepend the prompt to the text (and its logprobs, with logprobs)")
     logprobs: Optional[int] = Field(None, description="top-N logprobs per token (0 = the chosen token only)",
                                     json_schema_extra=_range(0, 20))
-    suffix: Optional[str] = Field(None, description="not supported: must be null")
     best_of: Optional[int] = Field(None, description="only best_of == n is supported")
     add_special_tokens: bool = Field(True, description="tokenize string prompts with the BOS token etc.")
 
@@ -85,16 +144,37 @@ class TextContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    # Fields a chat template may render (tool calls, reasoning): they are not passed to it, so a
+    # message carrying one is refused rather than rendered without it.
+    UNSUPPORTED = {**_unsupported("not supported in messages by this server",
+                                  "function_call audio reasoning_content reasoning thinking tool_call_id"),
+                   "tool_calls": Unsupported("tool calls are not supported by this server", ([],))}
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
-    name: Optional[str] = None
+    name: Optional[str] = Field(None, description="passed to the chat template")
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+_TOOLS = {"tools": Unsupported("tools are not supported by this server", ([],)),
+          "chat_template": Unsupported("a chat template from the request is not accepted (the model's own is used)")}
 
 
 class ChatCompletionRequest(_SamplingFields):
+    UNSUPPORTED = {
+        **_SAMPLING_UNSUPPORTED, **_TOOLS,
+        # "none" and "auto" mean no tool call when there are no tools.
+        **_unsupported("tool calls are not supported by this server", "tool_choice function_call", ("none", "auto")),
+        "functions": Unsupported("tool calls are not supported by this server", ([],)),
+        "documents": Unsupported("documents (RAG) are not supported by this server", ([],)),
+        "audio": Unsupported("audio output is not supported by this server"),
+        "modalities": Unsupported("only modalities [\"text\"] is supported", (["text"],)),
+        **_unsupported("not supported by this server (a template variable goes in chat_template_kwargs)",
+                       "reasoning_effort verbosity web_search_options"),
+        "echo": Unsupported("not supported for chat: use /v1/completions", (False,)),
+        "add_special_tokens": Unsupported("only false is supported for chat (the template writes the special "
+                                          "tokens)", (False,)),
+        "include_reasoning": Unsupported("only true is supported (reasoning is not separated from the answer)",
+                                         (True,)),
+    }
     messages: list[ChatMessage] = Field(..., description="the conversation; at least one message",
                                         json_schema_extra={"minItems": 1})
     max_tokens: Optional[int] = Field(None, description="deprecated alias of max_completion_tokens",
@@ -103,20 +183,20 @@ class ChatCompletionRequest(_SamplingFields):
                                                  json_schema_extra=_range(1))
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, description="needs logprobs: true", json_schema_extra=_range(0, 20))
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported: must be empty")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS_HELP)
 
 
 class TokenizeRequest(_Strict):
+    UNSUPPORTED = {**_TOOLS, "return_token_strs": Unsupported("not supported by this server", (False,)),
+                   "continue_final_message": Unsupported("not supported by /v1/tokenize", (False,))}
     model: Optional[str] = None
     prompt: Optional[str] = Field(None, description="text to tokenize (or give messages)")
     messages: Optional[list[ChatMessage]] = Field(None, description="a conversation, via the chat template")
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS_HELP)
 
 
 class DetokenizeRequest(_Strict):
@@ -126,6 +206,7 @@ class DetokenizeRequest(_Strict):
 
 class PrefixPinRequest(_Strict):
     """POST /v1/prefix/pin: keep a prefix (e.g. a system prompt) cached for `ttl` seconds."""
+    UNSUPPORTED = {**_TOOLS, "chat_template_kwargs": Unsupported("not supported for pins", ({},))}
     model: Optional[str] = None
     prompt: Union[str, list[int], None] = Field(None, description="text or token ids of the prefix (or give messages)")
     messages: Optional[list[ChatMessage]] = Field(None, description="a conversation prefix, rendered by the chat "
@@ -133,14 +214,14 @@ class PrefixPinRequest(_Strict):
     ttl: float = Field(600.0, description="seconds the pin lasts", json_schema_extra={"exclusiveMinimum": 0})
     num_tokens: Optional[int] = Field(None, description="pin only the first N tokens", json_schema_extra=_range(1))
     cache_salt: Optional[str] = Field(None, max_length=256)
-    tenant: Optional[str] = Field(None, description="tenant whose cache holds it; an API key's tenant wins")
+    tenant: Optional[str] = Field(None, max_length=256, description=_TENANT_HELP)
     add_special_tokens: bool = True
 
 
 class PrefixUnpinRequest(_Strict):
     """POST /v1/prefix/unpin: remove one of your pins."""
     id: int
-    tenant: Optional[str] = Field(None, description="an API key's tenant wins")
+    tenant: Optional[str] = Field(None, max_length=256, description=_TENANT_HELP)
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, PrefixPinRequest,
@@ -151,5 +232,4 @@ UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string, a list of strings or null",
     "content": "must be a string, a list of {\"type\": \"text\", \"text\": ...} parts or null",
-    "tool_choice": "must be a string, an object or null",
 }

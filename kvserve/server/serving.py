@@ -18,8 +18,10 @@ Streaming invariants:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,13 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
+from jinja2.defaults import DEFAULT_NAMESPACE as JINJA_GLOBALS
+from jinja2.exceptions import TemplateError
 
 from kvserve.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling import SamplingParams
+from kvserve.engine.scheduler import RequestRejected
 from kvserve.engine.slo import RequestOverloaded
 from kvserve.server.config import ServerConfig
-from kvserve.server.errors import APIError, bad_request, error_body, from_value_error
+from kvserve.server.errors import APIError, bad_request, echo, error_body, from_value_error
 from kvserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                      PrefixPinRequest, PrefixUnpinRequest, TokenizeRequest)
 
@@ -41,7 +46,22 @@ logger = logging.getLogger("kvserve.server")
 
 _SEED_LIMIT = 2 ** 63 - 1024   # engine seeds per sample are seed + index; stay inside int64
 _MAX_STOP_STRINGS = 64
+_MAX_STOP_CHARS = 1024
 _MAX_STOP_TOKEN_IDS = 1024
+
+# chat_template_kwargs: a few small template variables (enable_thinking and the like), not data.
+_MAX_TEMPLATE_VARIABLES = 16
+_MAX_TEMPLATE_VARIABLE_BYTES = 16 << 10    # all values together, as JSON
+_MAX_TEMPLATE_VALUE_DEPTH = 8
+_TEMPLATE_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# Names the template's context binds itself (transformers' render call and its Jinja globals) or the
+# tokenizer's special tokens: a client value under one of them would overwrite what the template reads.
+_TEMPLATE_CONTEXT_NAMES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now",
+    *JINJA_GLOBALS, "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+    "mask_token", "additional_special_tokens", "extra_special_tokens"})
+# apply_chat_template arguments a chat request sets through fields of its own.
+_REQUEST_FIELDS = frozenset({"add_generation_prompt", "continue_final_message"})
 
 
 def _sse(payload: Any) -> str:
@@ -108,6 +128,7 @@ class OpenAIServing:
         # chat templates never stall the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
         self._token_text_cache: dict[int, str] = {}
+        self._reserved_template_names = _reserved_template_names(self.tokenizer)
 
     def _check_not_rejected(self, output: RequestOutput) -> None:
         """Raises RequestOverloaded for a request the scheduler shed (it missed its TTFT deadline)."""
@@ -126,25 +147,42 @@ class OpenAIServing:
     def check_model(self, name: Optional[str]) -> str:
         if name is None or name in self.model_names:
             return self.model_name
-        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+        raise APIError(404, f"the model {echo(name)} does not exist; this server serves "
                             f"{', '.join(repr(n) for n in self.model_names)}",
                        param="model", code="model_not_found")
+
+    def resolve_tenant(self, key_tenant: Optional[str], requested: Optional[str]) -> Optional[str]:
+        """The tenant a request runs as: its API key's. A tenant named in the request (body or query)
+        must be that one, unless the server trusts a gateway in front of it to set tenants
+        (--trust-request-tenant); even then a key mapped to a tenant keeps it. Anything else is a 403,
+        not ignored, so a misconfigured gateway notices at once instead of mixing its users' caches."""
+        if requested is None or requested == key_tenant:
+            return key_tenant
+        if self.config.trust_request_tenant and key_tenant is None:
+            return requested
+        why = ("this API key belongs to another tenant" if key_tenant is not None else
+               "tenants come from API keys (--api-keys-file); a request may name one only when the server "
+               "runs with --trust-request-tenant behind a gateway that authenticates users")
+        raise APIError(403, f"tenant {echo(requested)} is not allowed: {why}", param="tenant",
+                       code="tenant_not_allowed")
 
     def _check_common(self, req: Any, num_top: Optional[int], top_field: str) -> None:
         limit_n = min(self.config.max_n, self.max_num_seqs)
         if isinstance(req.n, int) and req.n > limit_n:
-            raise bad_request(f"n must be at most {limit_n} on this server, got {req.n}", "n", "n_too_large")
+            raise bad_request(f"n must be at most {limit_n} on this server, got {echo(req.n)}", "n", "n_too_large")
         if num_top is not None and num_top > self.config.max_logprobs:
-            raise bad_request(f"{top_field} must be at most {self.config.max_logprobs}, got {num_top}", top_field)
+            raise bad_request(f"{top_field} must be at most {self.config.max_logprobs}, got {echo(num_top)}",
+                              top_field)
         if req.seed is not None and not -_SEED_LIMIT <= req.seed <= _SEED_LIMIT:
-            raise bad_request(f"seed must lie in [-{_SEED_LIMIT}, {_SEED_LIMIT}], got {req.seed}", "seed")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias", "unsupported")
+            raise bad_request(f"seed must lie in [-{_SEED_LIMIT}, {_SEED_LIMIT}], got {echo(req.seed)}", "seed")
         # Stop strings are matched on the engine thread after every token, for every request in
         # the batch: a request with thousands of them would slow everyone down.
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         if len(stops) > _MAX_STOP_STRINGS:
             raise bad_request(f"stop may hold at most {_MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+        # Each token's search window (and the text a stream holds back) is as long as the longest one.
+        if any(len(stop) > _MAX_STOP_CHARS for stop in stops):
+            raise bad_request(f"stop strings may be at most {_MAX_STOP_CHARS} characters long", "stop")
         if req.stop_token_ids and len(req.stop_token_ids) > _MAX_STOP_TOKEN_IDS:
             raise bad_request(f"stop_token_ids may hold at most {_MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
         if req.stop_token_ids and any(not 0 <= t < self.vocab_size for t in req.stop_token_ids):
@@ -212,6 +250,8 @@ class OpenAIServing:
     async def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
                                   continue_final_message: bool,
                                   chat_template_kwargs: Optional[dict[str, Any]]) -> list[int]:
+        """The conversation's prompt token ids. The template renders text (tokenize=False) and the
+        text is encoded here, so nothing from the request reaches the tokenizer's arguments."""
         tokenizer = self._require_tokenizer("chat")
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
@@ -220,26 +260,46 @@ class OpenAIServing:
                               "continue_final_message")
         if continue_final_message and messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs a final assistant message", "messages")
-        conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
-        extra = dict(chat_template_kwargs or {})
-        for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                         "return_dict", "return_tensors", "chat_template", "tools", "documents"):
-            extra.pop(reserved, None)
+        variables = self._template_variables(chat_template_kwargs)
+        conversation = [_template_message(m) for m in messages]
 
-        def render() -> list[int]:
-            encoded = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                    continue_final_message=continue_final_message,
-                                                    tokenize=True, **extra)
-            if isinstance(encoded, dict) or hasattr(encoded, "keys"):
-                encoded = encoded["input_ids"]
-            return [int(t) for t in encoded]
+        def render_and_encode() -> list[int]:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=False,
+                                                 **variables)
+            # What apply_chat_template(tokenize=True) does: the template wrote the special tokens.
+            return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
         try:
-            return await self._run_in_tokenizer(render)
+            return await self._run_in_tokenizer(render_and_encode)
         except Exception as exc:
-            # Template errors (e.g. roles that must alternate) are the client's; keep only the message.
-            message = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-            raise bad_request(f"the chat template could not render these messages: {message}",
-                              "messages", "invalid_messages") from None
+            raise _template_failure(exc) from None
+
+    def _template_variables(self, kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """chat_template_kwargs checked as template variables: a few, small, and under names that are
+        neither apply_chat_template's own arguments (padding, max_length, tokenizer_kwargs, ... would
+        reach the tokenizer) nor names the template context binds itself."""
+        kwargs = kwargs or {}
+        if len(kwargs) > _MAX_TEMPLATE_VARIABLES:
+            raise bad_request(f"chat_template_kwargs may hold at most {_MAX_TEMPLATE_VARIABLES} variables, "
+                              f"got {len(kwargs)}", "chat_template_kwargs")
+        total = 0
+        for name, value in kwargs.items():
+            param = f"chat_template_kwargs.{name[:64]}"
+            if not _TEMPLATE_VARIABLE_NAME.fullmatch(name):
+                raise bad_request(f"{param}: a template variable name is letters, digits and _ (not first), "
+                                  f"at most 64 characters; got {echo(name)}", param)
+            if name in self._reserved_template_names:
+                raise bad_request(f"{param}: {name} is an argument of the tokenizer's chat-template call or a name "
+                                  f"the template binds itself, not a template variable" +
+                                  (f" (use the request field {name})" if name in _REQUEST_FIELDS else ""), param)
+            if _depth(value, _MAX_TEMPLATE_VALUE_DEPTH + 1) > _MAX_TEMPLATE_VALUE_DEPTH:
+                raise bad_request(f"{param}: the value is nested more than {_MAX_TEMPLATE_VALUE_DEPTH} levels deep",
+                                  param)
+            total += len(json.dumps(value, ensure_ascii=False).encode("utf-8"))
+            if total > _MAX_TEMPLATE_VARIABLE_BYTES:
+                raise bad_request(f"{param}: the template variables come to more than "
+                                  f"{_MAX_TEMPLATE_VARIABLE_BYTES} bytes of JSON", param)
+        return dict(kwargs)
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[_PromptInput]:
         prompt = req.prompt
@@ -270,8 +330,7 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request, tenant: Optional[str]) -> Any:
         model = self.check_model(req.model)
         self._check_common(req, req.logprobs, "logprobs")
-        if req.suffix is not None:
-            raise bad_request("suffix is not supported by this server", "suffix", "unsupported")
+        tenant = self.resolve_tenant(tenant, req.tenant)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of", "unsupported")
         # Parameters first: a bad value is reported without tokenizing anything.
@@ -291,9 +350,9 @@ class OpenAIServing:
 
     async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, req: Any,
                       tenant: Optional[str]) -> RequestStream:
+        """Queues the prompts under `tenant` (already resolved by resolve_tenant)."""
         engine = self.async_engine
         stream = engine.open_stream()
-        tenant = tenant if tenant is not None else req.tenant
         # Prefix-cache options ride in the prompt dict (as vLLM's cache_salt does), so AsyncEngine
         # passes them through unchanged; the tenant picks the cache namespace.
         cache_options = {key: value for key, value in (("tenant", tenant), ("cache_salt", req.cache_salt),
@@ -310,7 +369,7 @@ class OpenAIServing:
         except RequestOverloaded as exc:
             stream.abort()
             raise APIError(503, str(exc), code="overloaded") from None
-        except ValueError as exc:   # RequestRejected and friends: the prompt can never run
+        except RequestRejected as exc:   # the prompt can never run; the message is written for clients
             stream.abort()
             raise from_value_error(exc, "prompt") from None
         except BaseException:
@@ -478,13 +537,9 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         self._check_common(req, top, "top_logprobs")
+        tenant = self.resolve_tenant(tenant, req.tenant)
         if not req.messages:
             raise bad_request("messages must contain at least one message", "messages", "empty_messages")
-        if req.tools:
-            raise bad_request("tools are not supported by this server", "tools", "unsupported")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                              "response_format", "unsupported")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs, None)
@@ -573,7 +628,8 @@ class OpenAIServing:
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must contain at least one message", "messages", "empty_messages")
-            ids = await self.apply_chat_template(req.messages, req.add_generation_prompt, False, None)
+            ids = await self.apply_chat_template(req.messages, req.add_generation_prompt, False,
+                                                 req.chat_template_kwargs)
         else:
             ids = await self.tokenize_text(req.prompt, req.add_special_tokens, "prompt")
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
@@ -581,6 +637,7 @@ class OpenAIServing:
     # --- /v1/prefix/pin, /v1/prefix/unpin, /v1/prefix/pins ----------------------------------------
     async def pin_prefix(self, req: PrefixPinRequest, tenant: Optional[str]) -> dict[str, Any]:
         self.check_model(req.model)
+        tenant = self.resolve_tenant(tenant, req.tenant)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
@@ -593,7 +650,6 @@ class OpenAIServing:
             if any(not 0 <= t < self.vocab_size for t in req.prompt):
                 raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt", "invalid_token_id")
             ids = list(req.prompt)
-        tenant = tenant if tenant is not None else req.tenant
 
         def pin(engine: Any) -> dict[str, Any]:
             return engine.pin_prefix({"prompt_token_ids": ids}, req.ttl, tenant=tenant, cache_salt=req.cache_salt,
@@ -606,16 +662,17 @@ class OpenAIServing:
             raise from_value_error(exc, "prompt") from None
 
     async def unpin_prefix(self, req: PrefixUnpinRequest, tenant: Optional[str]) -> dict[str, Any]:
-        tenant = tenant if tenant is not None else req.tenant
+        tenant = self.resolve_tenant(tenant, req.tenant)
         try:
             removed = await self.async_engine.call(lambda engine: engine.unpin_prefix(req.id, tenant=tenant))
         except EngineShutdownError as exc:
             raise APIError(503, str(exc), code="server_shutting_down") from None
         if not removed:
-            raise APIError(404, f"no pin {req.id} of this tenant", param="id", code="pin_not_found")
+            raise APIError(404, f"no pin {echo(req.id)} of this tenant", param="id", code="pin_not_found")
         return {"id": req.id, "object": "prefix_pin", "deleted": True}
 
-    async def list_pins(self, tenant: Optional[str]) -> dict[str, Any]:
+    async def list_pins(self, tenant: Optional[str], requested: Optional[str]) -> dict[str, Any]:
+        tenant = self.resolve_tenant(tenant, requested)
         try:
             pins = await self.async_engine.call(lambda engine: [p.as_dict() for p in engine.prefix.pins(tenant)])
         except EngineShutdownError as exc:
@@ -629,6 +686,48 @@ class OpenAIServing:
         tokenizer = self._require_tokenizer("detokenize")
         text = await self._run_in_tokenizer(lambda: tokenizer.decode(req.tokens))
         return {"prompt": text}
+
+
+def _template_message(message: ChatMessage) -> dict[str, str]:
+    rendered = {"role": message.role, "content": _message_text(message)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
+
+
+def _reserved_template_names(tokenizer: Any) -> frozenset[str]:
+    """Names chat_template_kwargs may not use: apply_chat_template's own parameters (read from its
+    signature, so a new tokenizer argument is refused too), the template context's names, and the
+    tokenizer's special tokens (which the context binds as variables)."""
+    if tokenizer is None:
+        return _TEMPLATE_CONTEXT_NAMES
+    parameters = inspect.signature(type(tokenizer).apply_chat_template).parameters.values()
+    own = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(own | _TEMPLATE_CONTEXT_NAMES | set(tokenizer.special_tokens_map))
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deeply lists and objects nest in a JSON value (a scalar is 0), counted up to `limit`."""
+    if limit <= 0 or not isinstance(value, (list, dict)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(child, limit - 1) for child in children), default=0)
+
+
+def _template_failure(exc: Exception) -> APIError:
+    """The 400 for a template that failed on these messages. Only what the template raised itself
+    (raise_exception, e.g. "roles must alternate") is its author's text for the client; jinja2
+    raises only subclasses of TemplateError, so an exact TemplateError is that. Anything else is a
+    Python exception whose text can hold anything (transformers' continue_final_message error
+    quotes the whole rendered chat, a tokenizer's repr its folder): logged, not sent."""
+    if type(exc) is TemplateError and str(exc):
+        text = str(exc).splitlines()[0]
+        message = text if len(text) <= 300 else text[:300] + "..."
+        return bad_request(f"the chat template could not render these messages: {message}", "messages",
+                           "invalid_messages")
+    logger.warning("the chat template failed on a request (answered 400)", exc_info=exc)
+    return bad_request(f"the chat template could not render these messages ({type(exc).__name__})", "messages",
+                       "invalid_messages")
 
 
 def _message_text(message: ChatMessage) -> str:
