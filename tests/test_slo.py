@@ -462,3 +462,31 @@ def test_server_answers_shed_requests_with_503_and_keeps_serving(tmp_path):
         assert server.snapshot.num_free_blocks == server.snapshot.num_blocks
     finally:
         server.stop()
+
+
+@requires_default_model      # the tiny model borrows the default model's tokenizer
+def test_time_spent_in_the_server_before_the_engine_counts_against_the_ttft_target(tmp_path):
+    """The deadline runs from when the server received the request: a request that waited for the
+    tokenizer until its first token can no longer come in time is shed, not admitted late."""
+    import httpx
+
+    from loopback_server import LoopbackServer, build_tiny_chat_model
+
+    folder = build_tiny_chat_model(tmp_path / "tiny", max_position_embeddings=512)
+    engine = Engine.from_options(model=folder, max_model_len=512, kv_cache_memory=16 << 20, slo_ttft=0.5,
+                                 slo_shed=True)
+    server = LoopbackServer(engine)
+    try:
+        engine.scheduler.slo.step_cost = FixedCost(0.01, 0.0)
+        url = server.url + "/v1/chat/completions"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(url, json=body, timeout=30).status_code == 200
+        server.app.state.serving._tokenizer_pool.submit(time.sleep, 0.6)      # the tokenizer is busy
+        response = httpx.post(url, json=body, timeout=30)
+        assert response.status_code == 503, response.text
+        import re
+        predicted = float(re.search(r"would come after ~([\d.]+) s", response.json()["error"]["message"]).group(1))
+        assert predicted >= 0.6
+        assert httpx.post(url, json=body, timeout=30).status_code == 200
+    finally:
+        server.stop()

@@ -328,6 +328,7 @@ class OpenAIServing:
 
     # --- /v1/completions -------------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request, tenant: Optional[str]) -> Any:
+        arrival_time = time.monotonic()     # TTFT targets count tokenization and the queue for it
         model = self.check_model(req.model)
         self._check_common(req, req.logprobs, "logprobs")
         tenant = self.resolve_tenant(tenant, req.tenant)
@@ -340,7 +341,7 @@ class OpenAIServing:
         for prompt in prompts:
             self._check_length(len(prompt.token_ids), req.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, req, tenant)
+        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, req, tenant, arrival_time)
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         if req.stream:
             chunks = self._stream_completion(request_id, model, req, params, prompts, sub_ids, stream)
@@ -349,8 +350,9 @@ class OpenAIServing:
         return self._completion_response(request_id, model, req, params, prompts, sub_ids, finals)
 
     async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, req: Any,
-                      tenant: Optional[str]) -> RequestStream:
-        """Queues the prompts under `tenant` (already resolved by resolve_tenant)."""
+                      tenant: Optional[str], arrival_time: float) -> RequestStream:
+        """Queues the prompts under `tenant` (already resolved by resolve_tenant); `arrival_time` is
+        when the request reached the server (time.monotonic())."""
         engine = self.async_engine
         stream = engine.open_stream()
         # Prefix-cache options ride in the prompt dict (as vLLM's cache_salt does), so AsyncEngine
@@ -362,7 +364,8 @@ class OpenAIServing:
         try:
             for index, ids in enumerate(prompt_ids):
                 await engine.add_request(f"{request_id}-{index}", {"prompt_token_ids": ids, **cache_options}, params,
-                                         stream=stream, tenant=tenant, priority=req.priority)
+                                         stream=stream, tenant=tenant, priority=req.priority,
+                                         arrival_time=arrival_time)
         except EngineShutdownError as exc:
             stream.abort()
             raise APIError(503, str(exc), code="server_shutting_down") from None
@@ -532,6 +535,7 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request, tenant: Optional[str]) -> Any:
+        arrival_time = time.monotonic()     # TTFT targets count the chat template and the queue for it
         model = self.check_model(req.model)
         top = req.top_logprobs if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
@@ -547,7 +551,7 @@ class OpenAIServing:
                                                     req.continue_final_message, req.chat_template_kwargs)
         self._check_length(len(prompt_ids), max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [prompt_ids], params, req, tenant)
+        stream = await self._submit(request_id, [prompt_ids], params, req, tenant, arrival_time)
         sub_id = f"{request_id}-0"
         if req.stream:
             chunks = self._stream_chat(request_id, model, req, params, sub_id, stream)
