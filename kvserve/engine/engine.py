@@ -39,6 +39,7 @@ _DEFAULT_CPU_KV_BYTES = 1 << 30
 # lengths tell the per-token cost from the fixed one, a decode-like shape the per-sequence cost.
 CALIBRATION_PROMPT_TOKENS = (64, 256)
 CALIBRATION_SEQUENCES = 32
+CALIBRATION_RUNS = 2
 
 
 @dataclass
@@ -217,16 +218,19 @@ class Engine:
         shapes.append(StepShape(num_sequences, num_sequences))
         probe = ModelRunner(self.model, self.device, self.dtype, -(-max(s.num_tokens for s in shapes) // block_size) + 1,
                             block_size, set(), self.config.model_config.attention_backend)
-        samples = []
-        for index, shape in enumerate([shapes[0], *shapes]):     # the first run warms up and is not kept
+        def timed(shape: StepShape) -> float:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             started = time.perf_counter()
             probe.profile_forward(shape.num_tokens, shape.num_sequences)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            if index:
-                samples.append((shape, time.perf_counter() - started))
+            return time.perf_counter() - started
+
+        for shape in shapes:          # first runs warm up (allocations, packed weights, kernels): not kept
+            timed(shape)
+        # The least of a few runs: another process on the cores only ever adds time.
+        samples = [(shape, min(timed(shape) for _ in range(CALIBRATION_RUNS))) for shape in shapes]
         del probe
         logger.info("step-cost calibration: %s", ", ".join(f"{s.num_tokens} tokens x {s.num_sequences} seqs "
                                                           f"{seconds * 1e3:.1f} ms" for s, seconds in samples))
