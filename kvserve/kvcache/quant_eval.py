@@ -12,6 +12,11 @@ token reads it back dequantized.
   divergence is the index of the first differing token (max_tokens when none differs).
 - passkey retrieval: a five-digit key hidden at several depths of filler text near the model's
   longest context; success when the greedy answer contains the key.
+- teacher-forced logprobs (the engine tests' closeness check): given tokens forced after each
+  prompt, the distribution every decode step gives them over the stored cache.
+
+`full` (the cache in the model dtype) is the reference every other format is compared with, and
+all formats run through one forward path (one_forward_path).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -30,6 +35,7 @@ import torch
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.kvcache.quant import KV_SPEC_OPTIONS, resolve_format_name
 
 
 def default_text() -> str:
@@ -67,44 +73,102 @@ class PerplexityResult:
     nll_per_segment: list[float] = field(default_factory=list)
 
 
-@torch.inference_mode()
-def decode_perplexity(engine, segments: list[list[int]]) -> PerplexityResult:
-    """Feeds each segment one token per step through engine.runner (the real store + paged decode
-    path); scores token t+1 from the logits after token t. Block tables are private to this run."""
-    runner, block_size = engine.runner, engine.runner.block_size
-    length = len(segments[0])
-    blocks_per_segment = -(-length // block_size)
-    needed = blocks_per_segment * len(segments)
-    if needed > engine.kv_manager.num_blocks:
-        raise ValueError(f"perplexity needs {needed} KV blocks; the engine has {engine.kv_manager.num_blocks}")
-    requests, tables = [], {}
-    params = SamplingParams(max_tokens=1)
-    for index, tokens in enumerate(segments):
-        request = Request(f"ppl-{index}", list(tokens), params, 1)
+def _private_tables(engine, lengths: list[int]) -> list[list[int]]:
+    """Block tables of consecutive block ids, one per sequence of `lengths` tokens, outside the KV
+    manager: a run through them overwrites those blocks, so it needs an engine with nothing
+    cached or running yet (a fresh one)."""
+    block_size = engine.runner.block_size
+    tables, start = [], 0
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(list(range(start, start + count)))
+        start += count
+    if start > engine.kv_manager.num_blocks:
+        raise ValueError(f"the run needs {start} KV blocks; the engine has {engine.kv_manager.num_blocks}")
+    return tables
+
+
+def _running_requests(sequences: list[list[int]], tag: str) -> list[Request]:
+    requests = []
+    for index, tokens in enumerate(sequences):
+        request = Request(f"{tag}-{index}", list(tokens), SamplingParams(max_tokens=1), 1)
         request.status = RequestStatus.RUNNING
         requests.append(request)
-        tables[request.request_id] = list(range(index * blocks_per_segment, (index + 1) * blocks_per_segment))
-    targets = torch.tensor(segments, dtype=torch.long)
-    nll = torch.zeros(len(segments), dtype=torch.float64)
-    started = time.perf_counter()
-    for position in range(length - 1):
-        items = [ScheduledRequest(request, 1) for request in requests]
-        ordered, input_ids, positions, meta = runner.build_batch(items, tables)
-        with runner._sdpa_backends():
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
-        logits = runner.model.compute_logits(hidden).float().cpu()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        nll -= logprobs.gather(1, targets[:, position + 1:position + 2]).squeeze(1).double()
-        for request in requests:
-            request.num_computed_tokens += 1
+    return requests
+
+
+def _release(engine, requests: list[Request]) -> None:
     for request in requests:          # gives their quantized-KV rows back to the runner
         request.status = RequestStatus.FINISHED_ABORTED
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
+
+
+def _forward_last_tokens(runner, items: list[ScheduledRequest], tables: dict[str, list[int]]) -> torch.Tensor:
+    """One forward step of `items` through the runner's store + attention path; the fp32 logits
+    [len(items), vocab] (host) after each item's last new token, in `items`' order."""
+    ordered, input_ids, positions, meta = runner.build_batch(items, tables)
+    with runner._sdpa_backends():
+        hidden = runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
+    last, offset = {}, 0
+    for item in ordered:                  # build_batch puts decodes before prefills
+        offset += item.num_new_tokens
+        last[item.request.request_id] = offset - 1
+    rows = torch.tensor([last[item.request.request_id] for item in items], device=hidden.device)
+    for item in items:
+        item.request.num_computed_tokens += item.num_new_tokens
+    return runner.model.compute_logits(hidden[rows]).float().cpu()
+
+
+@torch.inference_mode()
+def decode_perplexity(engine, segments: list[list[int]]) -> PerplexityResult:
+    """Feeds each segment one token per step through engine.runner (the real store + paged decode
+    path); scores token t+1 from the logits after token t. Block tables are private to this run
+    (see _private_tables)."""
+    runner = engine.runner
+    length = len(segments[0])
+    requests = _running_requests(segments, "ppl")
+    tables = {request.request_id: table
+              for request, table in zip(requests, _private_tables(engine, [length] * len(segments)))}
+    targets = torch.tensor(segments, dtype=torch.long)
+    nll = torch.zeros(len(segments), dtype=torch.float64)
+    started = time.perf_counter()
+    for position in range(length - 1):
+        logits = _forward_last_tokens(runner, [ScheduledRequest(request, 1) for request in requests], tables)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        nll -= logprobs.gather(1, targets[:, position + 1:position + 2]).squeeze(1).double()
+    _release(engine, requests)
     scored = len(segments) * (length - 1)
     mean = float(nll.sum() / scored)
     return PerplexityResult(math.exp(mean), mean, scored, time.perf_counter() - started,
                             [float(x / (length - 1)) for x in nll])
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(engine, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
+    """The log-probabilities the engine gives each continuation token when the continuation is
+    forced: each prompt is prefilled in one chunk (as the scheduler runs a short prompt), then its
+    continuation is fed one token per decode step, all rows side by side, through engine.runner's
+    store and paged attention. Row i's result is [len(continuations[i]), vocab] fp32: entry j is the
+    distribution over continuations[i][j]; j = 0 comes from the prefill (which attends over the
+    prompt's own full-precision K/V), every later j from a decode step that reads the stored cache.
+    Block tables are private to this run (see _private_tables)."""
+    runner = engine.runner
+    sequences = [list(p) + list(c[:-1]) for p, c in zip(prompts, continuations)]
+    requests = _running_requests(sequences, "forced")
+    tables = {request.request_id: table
+              for request, table in zip(requests, _private_tables(engine, [len(s) for s in sequences]))}
+    out: list[list[torch.Tensor]] = [[] for _ in requests]
+    step = [(index, ScheduledRequest(request, len(prompt)))
+            for index, (request, prompt) in enumerate(zip(requests, prompts)) if continuations[index]]
+    while step:
+        logits = _forward_last_tokens(runner, [item for _, item in step], tables)
+        for (index, _), row in zip(step, torch.log_softmax(logits, dim=-1)):
+            out[index].append(row)
+        step = [(index, ScheduledRequest(requests[index], 1)) for index, _ in step
+                if requests[index].num_computed_tokens < requests[index].num_tokens]
+    _release(engine, requests)
+    return [torch.stack(rows) if rows else torch.empty(0, 0) for rows in out]
 
 
 def make_segments(token_ids: list[int], num_segments: int, segment_len: int) -> list[list[int]]:
@@ -190,6 +254,7 @@ class FormatResult:
     kv_bytes_per_token: int
     capacity_tokens: int
     capacity_vs_bf16: float
+    attention_backend: str = ""          # the forward path it ran through (one for all formats: run_eval)
     perplexity: Optional[dict[str, Any]] = None
     greedy: Optional[dict[str, Any]] = None
     passkey: Optional[dict[str, Any]] = None
@@ -201,10 +266,11 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
                     kv_budget_bytes: int) -> tuple[FormatResult, list[list[int]]]:
     from kvserve.engine.engine import Engine
     from kvserve.kvcache.quant import capacity_ratio
-    engine = Engine.from_options(**base_options, **format_options)
+    engine = Engine.from_options(**_format_engine_options(base_options, format_options))
     spec = engine.kv_spec
     capacity = kv_budget_bytes // spec.bytes_per_token
-    result = FormatResult(name, format_options, spec.bytes_per_token, capacity, round(capacity_ratio(spec), 4))
+    result = FormatResult(name, format_options, spec.bytes_per_token, capacity, round(capacity_ratio(spec), 4),
+                          engine.runner.backend.name)
     if segments:
         result.perplexity = asdict(decode_perplexity(engine, segments))
         result.perplexity.pop("nll_per_segment")
@@ -219,7 +285,20 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
     return result, outputs
 
 
-# Formats the fidelity benchmark compares (name -> engine options); the first is the reference.
+def _format_engine_options(base_options: dict[str, Any], format_options: dict[str, Any]) -> dict[str, Any]:
+    """A format's engine options: the base ones, which must leave every KV cache option to the
+    format (one that set some would apply to some formats and collide with others')."""
+    shared = sorted(set(base_options) & set(KV_SPEC_OPTIONS))
+    if shared:
+        raise ValueError(f"the base engine options set {', '.join(shared)}: each format sets its own KV cache "
+                         f"options (eval_engine_options separates them)")
+    return {**base_options, **format_options}
+
+
+# The format every other is compared with: the cache in the model dtype.
+REFERENCE_FORMAT = "full"
+# Formats the fidelity benchmark compares (name -> engine options; "@scales": the calibrated scales
+# file, see select_formats).
 DEFAULT_FORMATS: dict[str, dict[str, Any]] = {
     "full": {"kv_cache_dtype": "auto"},
     "bf16": {"kv_cache_dtype": "bf16"},
@@ -255,16 +334,61 @@ DEFAULT_FORMATS: dict[str, dict[str, Any]] = {
 }
 
 
-def with_scales_file(formats: dict[str, dict[str, Any]], scales_file: Optional[str]) -> dict[str, dict[str, Any]]:
-    """Puts the calibrated scales file in place of '@scales'; drops formats needing one if none is given."""
+def select_formats(names: list[str], scales_file: Optional[str]) -> dict[str, dict[str, Any]]:
+    """The named DEFAULT_FORMATS, the calibrated scales file put in place of '@scales'. Refuses
+    unknown names, a list without the reference, and formats needing a scales file when none is
+    given (rather than dropping them)."""
+    unknown = [name for name in names if name not in DEFAULT_FORMATS]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; known: {', '.join(DEFAULT_FORMATS)}")
+    if REFERENCE_FORMAT not in names:
+        raise ValueError(f"the formats must include {REFERENCE_FORMAT!r}, the full-precision reference every "
+                         f"other format is compared with")
+    need_scales = [name for name in names if DEFAULT_FORMATS[name].get("kv_scales_file") == "@scales"]
+    if need_scales and scales_file is None:
+        raise ValueError(f"{', '.join(need_scales)} use static scales: give a scales file from `kvserve "
+                         f"calibrate` (--kv-scales-file)")
     out = {}
-    for name, options in formats.items():
+    for name in names:
+        options = DEFAULT_FORMATS[name]
         if options.get("kv_scales_file") == "@scales":
-            if scales_file is None:
-                continue
             options = {**options, "kv_scales_file": scales_file}
         out[name] = options
     return out
+
+
+def eval_engine_options(options: dict[str, Any]) -> tuple[dict[str, Any], Optional[str]]:
+    """`kvserve eval-kv`'s engine options (every engine flag, defaults included) -> (the base
+    options, without the KV cache options each format sets; the scales file). A KV cache flag set
+    away from its default is refused: it would hold for some formats and not for others."""
+    from kvserve.config import CacheConfig
+    defaults = {f.name: f.default for f in fields(CacheConfig)}
+    changed = [name for name in KV_SPEC_OPTIONS
+               if name != "kv_scales_file" and name in options and options[name] != defaults[name]]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise ValueError(f"{flags}: each format in --formats sets the KV cache options itself (--kv-scales-file "
+                         f"is the one taken, by the static-scale formats); drop {flags}")
+    base = {name: value for name, value in options.items() if name not in KV_SPEC_OPTIONS}
+    return base, options.get("kv_scales_file")
+
+
+def one_forward_path(base_options: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """On the CPU the native forward (kvserve/model/cpu_native.py) runs only full-precision caches;
+    quantized ones run through the torch path. Left to `auto`, the reference would run natively and
+    every other format through torch, and each difference would carry the two paths' offset as
+    well: so on the CPU every format runs through torch. (At full precision the two agree to 6e-6
+    in logprob on the test checkpoints, tests/test_eval_kv.py, and to 8e-7 relative in the
+    default model's decode perplexity over 2 x 128 tokens.)"""
+    if device.type == "cpu" and base_options.get("attention_backend", "auto") == "auto":
+        return {**base_options, "attention_backend": "torch"}
+    return base_options
+
+
+def _full_precision(options: dict[str, Any]) -> bool:
+    default = options.get("kv_cache_dtype", "auto")
+    parts = (options.get("kv_cache_dtype_k") or default, options.get("kv_cache_dtype_v") or default)
+    return all(resolve_format_name(name) == "auto" for name in parts)
 
 
 def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[str, Any]],
@@ -272,7 +396,14 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
              passkey_len: int, passkey_depths: list[float], kv_budget_bytes: int = 1 << 30,
              log=print, passkey_formats: Optional[set[str]] = None) -> dict[str, Any]:
     from kvserve.engine.engine import Engine
-    probe = Engine.from_options(**base_options)
+    if REFERENCE_FORMAT not in formats or not _full_precision(formats[REFERENCE_FORMAT]):
+        raise ValueError(f"the formats must include {REFERENCE_FORMAT!r} with the cache in the model dtype "
+                         f"(got {formats.get(REFERENCE_FORMAT)}): every other format is compared with it")
+    # The reference first: the others' greedy agreement is measured against its outputs.
+    formats = {REFERENCE_FORMAT: formats[REFERENCE_FORMAT],
+               **{name: options for name, options in formats.items() if name != REFERENCE_FORMAT}}
+    probe = Engine.from_options(**_format_engine_options(base_options, {}))
+    base_options = one_forward_path(base_options, probe.device)
     tokenizer = probe.tokenizer
     ids = tokenizer(text[: 40 * num_segments * segment_len], add_special_tokens=False)["input_ids"]
     segments = make_segments(ids, num_segments, segment_len) if num_segments else []
@@ -286,8 +417,12 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
         passkey = passkey_len if passkey_formats is None or name in passkey_formats else 0
         result, outputs = evaluate_format(name, options, base_options, segments, prompts, greedy_tokens,
                                           reference, passkey, passkey_depths, kv_budget_bytes)
-        if reference is None:
+        if name == REFERENCE_FORMAT:
             reference = outputs
+        elif result.attention_backend != results[0].attention_backend:
+            # one_forward_path makes this unlikely; a difference would then mix two forward paths.
+            raise ValueError(f"{name} ran through the {result.attention_backend} forward, the reference through "
+                             f"{results[0].attention_backend}; pass one --attention-backend that runs every format")
         results.append(result)
         log(format_row(result, results[0]) + f"   ({time.perf_counter() - started:.0f}s)")
     reference_ppl = results[0].perplexity["perplexity"] if results[0].perplexity else None
@@ -301,18 +436,32 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
     return {"model": model_info, "text_tokens_scored": num_segments * (segment_len - 1),
             "num_segments": num_segments, "segment_len": segment_len, "num_prompts": num_prompts,
             "prompt_len": prompt_len, "greedy_tokens": greedy_tokens, "kv_budget_bytes": kv_budget_bytes,
-            "reference": results[0].name, "formats": rows}
+            "reference": REFERENCE_FORMAT, "attention_backend": results[0].attention_backend, "formats": rows}
 
 
 def format_row(result: FormatResult, reference: FormatResult) -> str:
-    ppl = result.perplexity["perplexity"] if result.perplexity else float("nan")
-    ref_ppl = reference.perplexity["perplexity"] if reference.perplexity else float("nan")
-    agree = result.greedy["token_agreement"] if result.greedy else 1.0
-    first = result.greedy["first_divergence_mean"] if result.greedy else float("nan")
-    passkey = result.passkey["accuracy"] if result.passkey else float("nan")
-    return (f"{result.name:<28} {result.kv_bytes_per_token:>7} B/tok  x{result.capacity_vs_bf16:<5.2f} "
-            f"ppl {ppl:8.4f} ({100 * (ppl / ref_ppl - 1):+6.2f}%)  agree {agree:6.3f}  "
-            f"first-div {first:6.1f}  passkey {passkey:.2f}")
+    """One log line: "ref" for the reference's comparisons with itself, "n/a" where a number was
+    not measured (no segments, prompts or passkey)."""
+    is_reference = result is reference
+    ppl = result.perplexity["perplexity"] if result.perplexity else None
+    ref_ppl = reference.perplexity["perplexity"] if reference.perplexity else None
+    ppl_text = f"{ppl:8.4f}" if ppl is not None else f"{'n/a':>8}"
+    if ppl is None or ref_ppl is None:
+        delta_text = f"({'n/a':>7})"
+    elif is_reference:
+        delta_text = f"({'ref':>7})"
+    else:
+        delta_text = f"({100 * (ppl / ref_ppl - 1):+6.2f}%)"
+    if is_reference:
+        agree_text = first_text = f"{'ref':>6}"
+    elif result.greedy:
+        agree_text = f"{result.greedy['token_agreement']:6.3f}"
+        first_text = f"{result.greedy['first_divergence_mean']:6.1f}"
+    else:
+        agree_text = first_text = f"{'n/a':>6}"
+    passkey_text = f"{result.passkey['accuracy']:.2f}" if result.passkey else "n/a"
+    return (f"{result.name:<33} {result.kv_bytes_per_token:>7} B/tok  x{result.capacity_vs_bf16:<5.2f} "
+            f"ppl {ppl_text} {delta_text}  agree {agree_text}  first-div {first_text}  passkey {passkey_text}")
 
 
 # --- calibration --------------------------------------------------------------------------------------
