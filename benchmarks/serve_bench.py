@@ -122,6 +122,31 @@ def make_requests(rate: float, duration: float, min_tokens: int, max_tokens: int
     return requests
 
 
+def record_sse_line(result: RequestResult, line: str, token_ids: bool, sent: float) -> bool:
+    """Takes one line of a streamed answer into `result`; False once the stream carried an error."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return True
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        result.error = chunk["error"].get("message", "error")
+        result.error_time = time.perf_counter() - sent
+        return False
+    first = (chunk.get("choices") if token_ids else
+             any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])))
+    if result.ttft is None and first:
+        result.ttft = time.perf_counter() - sent
+    if chunk.get("usage"):
+        result.output_tokens = chunk["usage"]["completion_tokens"]
+        result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+    return True
+
+
+def finish_result(result: RequestResult, sent: float) -> None:
+    result.e2e = time.perf_counter() - sent
+    if result.ttft is None:       # no visible text at all (e.g. EOS first): first token == last
+        result.ttft = result.e2e
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str | list[int], max_tokens: int,
                       start: float, headers: dict[str, str]) -> RequestResult:
     result = RequestResult(send_time=time.perf_counter() - start, max_tokens=max_tokens)
@@ -140,23 +165,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 result.error_time = time.perf_counter() - sent
                 return result
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "error")
-                    result.error_time = time.perf_counter() - sent
+                if not record_sse_line(result, line, isinstance(prompt, list), sent):
                     return result
-                first = (chunk.get("choices") if isinstance(prompt, list) else
-                         any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])))
-                if result.ttft is None and first:
-                    result.ttft = time.perf_counter() - sent
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        result.e2e = time.perf_counter() - sent
-        if result.ttft is None:       # no visible text at all (e.g. EOS first): first token == last
-            result.ttft = result.e2e
+        finish_result(result, sent)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.error_time = time.perf_counter() - sent
@@ -255,23 +266,9 @@ async def _raw_burst_request(connection: tuple[asyncio.StreamReader, asyncio.Str
             return result
         chunked = b"chunked" in head.lower()
         async for line in _sse_lines(reader, chunked):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                result.error = chunk["error"].get("message", "error")
-                result.error_time = time.perf_counter() - sent
+            if not record_sse_line(result, line, token_ids, sent):
                 return result
-            first = (chunk.get("choices") if token_ids else
-                     any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])))
-            if result.ttft is None and first:
-                result.ttft = time.perf_counter() - sent
-            if chunk.get("usage"):
-                result.output_tokens = chunk["usage"]["completion_tokens"]
-                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        result.e2e = time.perf_counter() - sent
-        if result.ttft is None:
-            result.ttft = result.e2e
+        finish_result(result, sent)
     except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         result.error_time = time.perf_counter() - sent
