@@ -69,6 +69,20 @@ def test_partial_block_and_full_block_hits():
     assert manager.num_free_blocks == manager.num_blocks
 
 
+def test_peek_estimates_the_hit_without_touching_anything():
+    manager = _manager()
+    base = list(range(100, 112))                                  # 3 full blocks
+    _run_prompt(manager, _request("a", base + [1, 2], namespace="tenant:a"))
+    cache = manager.prefix_cache
+    before = (cache.num_lookups, cache.num_query_tokens, cache.num_hit_tokens)
+    for tokens in (base + [7], base, base[:6] + [50, 51], [5] + base):
+        expected = manager.find_cached_prefix(_request("q", tokens, namespace="tenant:a")).num_tokens
+        assert manager.peek_cached_tokens(tokens, "tenant:a") == expected
+    assert (cache.num_lookups, cache.num_query_tokens, cache.num_hit_tokens) == before
+    assert manager.peek_cached_tokens(base + [7], "tenant:b") == 0       # another tenant's blocks
+    assert KVCacheManager(8, BS, None).peek_cached_tokens(base + [7], "tenant:a") == 0   # caching off
+
+
 def test_lookup_verifies_tokens_parent_and_namespace():
     manager = _manager()
     cache = manager.prefix_cache

@@ -287,6 +287,31 @@ def test_arrival_rejection_through_the_engine(tiny_checkpoint):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 
+def test_arrival_prediction_counts_the_cached_prefix(tiny_checkpoint):
+    """A prompt whose prefix is cached computes only the rest: judged by that, not its length."""
+    from kvserve.engine.async_engine import AsyncEngine
+
+    folder, _ = tiny_checkpoint
+    engine = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=8 << 20,
+                                 block_size=16, max_model_len=512, slo_ttft=1.0, slo_shed=True)
+    engine.scheduler.slo.step_cost = FixedCost(0.05, 0.002)      # steps of <= 0.25 s hold 100 tokens
+    prompt = [1] + [(7 * j) % 200 + 3 for j in range(399)]        # 400 tokens: 4 steps, 1.0 s > 0.9 s
+    with pytest.raises(RequestOverloaded):
+        engine.add_request("cold", {"prompt_token_ids": prompt}, GREEDY)
+    engine.scheduler.slo.step_cost = FixedCost(0.0, 0.0)         # let the prefix in (and cache its blocks)
+    engine.add_request("prefix", {"prompt_token_ids": prompt[:384]}, SamplingParams(max_tokens=1))
+    _run(engine)
+    engine.scheduler.slo.step_cost = FixedCost(0.05, 0.002)
+    assert engine.estimate_cached_prompt_tokens(prompt) == 384
+    assert engine.estimate_cached_prompt_tokens(prompt, tenant="other") == 0
+    # The server's gate sees the same 16 tokens left.
+    assert AsyncEngine(engine)._pending_work({"prompt_token_ids": prompt}, GREEDY) == [PendingWork(16, 12)]
+    engine.add_request("warm", {"prompt_token_ids": prompt}, GREEDY)
+    assert engine.scheduler.make_load().waiting == (PendingWork(16, 12),)
+    outputs, _ = _run(engine)
+    assert outputs["warm"].outputs[0].finish_reason == "length"
+
+
 def test_steps_are_cut_to_a_share_of_the_ttft_target_and_outputs_do_not_change(tiny_checkpoint):
     folder, _ = tiny_checkpoint
     prompts = [[1] + [(11 * i + j) % 200 + 3 for j in range(150)] for i in range(3)]

@@ -297,9 +297,12 @@ class AsyncEngine:
         engine thread then judges it alone)."""
         if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
             return None
-        num_prompt = len(prompt["prompt_token_ids"])
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.engine.max_model_len - num_prompt
-        return [PendingWork(num_prompt, max(1, max_tokens))] * params.n
+        ids = prompt["prompt_token_ids"]
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.engine.max_model_len - len(ids)
+        # Safe from this thread (it only reads the prefix cache); a burst's shared system prompt is
+        # computed once, so counting it in every request would shed many that would make it.
+        cached = self.engine.estimate_cached_prompt_tokens(ids, prompt.get("tenant"), prompt.get("cache_salt"))
+        return [PendingWork(max(1, len(ids) - cached), max(1, max_tokens))] * params.n
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and non-blocking; the engine frees the request's blocks before its next step."""

@@ -285,8 +285,9 @@ class Engine:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
-        self.scheduler.check_overload(len(prompt_ids), max(max_tokens, 1), params.n, arrival_time)
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
+        self.scheduler.check_overload(len(prompt_ids), max(max_tokens, 1), params.n, arrival_time,
+                                      self.kv_manager.peek_cached_tokens(prompt_ids, namespace))
         if cache_opts.pin_ttl is not None:
             try:
                 self.prefix.pin(prompt_ids[:cache_opts.pin_prefix_tokens], cache_opts.pin_ttl, cache_opts.tenant,
@@ -314,6 +315,12 @@ class Engine:
         self._groups[request_id] = group
         self.stats.prompt_tokens_total += len(prompt_ids) * len(children)
         return request_id
+
+    def estimate_cached_prompt_tokens(self, prompt_token_ids: list[int], tenant: Optional[str] = None,
+                                      cache_salt: Optional[str] = None) -> int:
+        """Prompt tokens the prefix cache holds now, for admission estimates. The one Engine method
+        other threads may call while the engine thread runs: it only reads (PrefixCache.peek)."""
+        return self.kv_manager.peek_cached_tokens(prompt_token_ids, self.prefix.namespace(tenant, cache_salt))
 
     def abort(self, request_id: str) -> bool:
         group = self._groups.pop(request_id, None)

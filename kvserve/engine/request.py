@@ -67,6 +67,7 @@ class Request:
     cache_root: bytes = _DEFAULT_ROOT
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: Optional[int] = None     # tokens served from the prefix cache at first admission
+    expected_cached_tokens: int = 0             # cached when it arrived: latency estimates (slo.py) only
     num_bypassed: int = 0                       # times a later request was admitted first (cache-aware order)
 
     def set_cache_namespace(self, namespace: str) -> None:

@@ -108,12 +108,13 @@ class Scheduler:
                 f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
 
     def check_overload(self, num_prompt_tokens: int, max_tokens: int, num_requests: int = 1,
-                       arrival_time: Optional[float] = None) -> None:
-        """With TTFT shedding: raises RequestOverloaded if these requests (n samples of one prompt)
-        could not get their first token within the target, queued behind what the engine holds."""
+                       arrival_time: Optional[float] = None, num_cached_tokens: int = 0) -> None:
+        """With TTFT shedding: raises RequestOverloaded if these requests (n samples of one prompt, of
+        which num_cached_tokens are in the prefix cache) could not get their first token within the
+        target, queued behind what the engine holds."""
         if self.slo is None or self.slo.shed_deadline_s() is None:
             return
-        new = [PendingWork(num_prompt_tokens, max_tokens)] * num_requests
+        new = [PendingWork(max(1, num_prompt_tokens - num_cached_tokens), max_tokens)] * num_requests
         waited = 0.0 if arrival_time is None else max(0.0, time.monotonic() - arrival_time)
         reason = self.slo.reject_at_arrival(self.make_load(), new, waited)
         if reason is not None:
@@ -124,6 +125,8 @@ class Scheduler:
         """The running and waiting requests as the latency simulation needs them (slo.py)."""
         def work(request: Request) -> PendingWork:
             left = request.num_tokens - request.num_computed_tokens
+            if request.num_computed_tokens == 0:
+                left -= request.expected_cached_tokens
             outputs_left = max(0, request.max_tokens - len(request.output_token_ids))
             return PendingWork(left if left > 1 else 0, outputs_left)
 
@@ -156,6 +159,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.slo is not None:
+            # For the latency simulation only: the hit as it stands now (admission looks again).
+            hit = self._lookup(request)
+            request.expected_cached_tokens = hit.num_tokens if hit is not None else 0
         self.waiting.append(request)
 
     # --- one step ---------------------------------------------------------------------------
@@ -205,8 +212,9 @@ class Scheduler:
         num_decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
         late = [request for request in self.waiting
                 if request.first_scheduled_time is None
-                and self.slo.missed_deadline(request.arrival_time, request.num_prompt_tokens, num_decoding, budget,
-                                             now)]
+                and self.slo.missed_deadline(request.arrival_time,
+                                             max(1, request.num_prompt_tokens - request.expected_cached_tokens),
+                                             num_decoding, budget, now)]
         for request in late:
             self.finish(request, RequestStatus.FINISHED_REJECTED)
             out.rejected.append(request)

@@ -130,9 +130,7 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
         queue.append([max(1, work.prompt_tokens_left), work.output_tokens_left, True])
     targets_left, elapsed, step = len(targets), 0.0, 0
     for _ in range(MAX_SIMULATED_STEPS):
-        while queue and num_decoding + len(prefilling) < load.max_running:
-            prefilling.append(queue.popleft())
-        if not prefilling:
+        if not prefilling and (not queue or num_decoding >= load.max_running):
             # Only decodes until the next request leaves and frees a running slot: skip there.
             if not leaving:
                 return math.inf
@@ -144,9 +142,11 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
                 return elapsed
             continue
         step += 1
-        budget = step_token_budget(load.token_budget, load.max_step_s, cost, num_decoding + len(prefilling))
+        # As Scheduler.schedule: the cap from the requests running now (plus one admission), the
+        # running requests' tokens first, then admissions in queue order while tokens and slots last.
+        budget = step_token_budget(load.token_budget, load.max_step_s, cost, num_decoding + len(prefilling) + 1)
         room = max(0, budget - num_decoding)
-        num_tokens, num_sequences, num_done = num_decoding, num_decoding, 0
+        num_tokens, num_sequences = num_decoding, num_decoding
         for item in prefilling:
             if room <= 0:
                 break
@@ -155,9 +155,17 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
             room -= take
             num_tokens += take
             num_sequences += 1
-            num_done += item[0] == 0
+        while room > 0 and queue and num_decoding + len(prefilling) < load.max_running:
+            item = queue.popleft()
+            take = min(item[0], room)
+            item[0] -= take
+            room -= take
+            num_tokens += take
+            num_sequences += 1
+            prefilling.append(item)
         elapsed += cost.seconds(num_tokens, num_sequences)
-        for _ in range(num_done):      # chunks go in order, so the finished prompts lead the deque
+        # Chunks go in order, so the prompts finished this step lead the deque.
+        while prefilling and prefilling[0][0] == 0:
             _, outputs_left, is_new = prefilling.popleft()
             if is_new:
                 targets_left -= 1

@@ -96,6 +96,15 @@ class KVCacheManager:
             parent = hash_block(parent, seq.token_ids_between(index * bs, (index + 1) * bs))
             hashes.append(parent)
 
+    def peek_cached_tokens(self, token_ids: Sequence[int], namespace: str) -> int:
+        """Tokens of the longest cached prefix of `token_ids` in `namespace` (whole blocks, the last
+        token left to compute), as PrefixCache.peek estimates it: safe from another thread."""
+        if self.prefix_cache is None or not token_ids:
+            return 0
+        bs = self.block_size
+        return bs * self.prefix_cache.peek(namespace_root(namespace), namespace, token_ids, bs,
+                                           (len(token_ids) - 1) // bs)
+
     def find_cached_prefix(self, seq: HashedSequence) -> PrefixHit:
         """Longest cached prefix of the sequence's tokens, in whole blocks, leaving at least the
         last token to compute (the step that computes it produces the next token's logits). No

@@ -194,6 +194,21 @@ class PrefixCache:
             parent = block_hashes[index]
         return blocks
 
+    def peek(self, root: bytes, namespace: str, token_ids: Sequence[int], block_size: int, max_blocks: int) -> int:
+        """How many leading full blocks of `token_ids` are cached, by hash (tokens not verified).
+        Reads only, touching no statistics: it may run on another thread while the engine thread
+        changes the index (each dict read is atomic under the GIL), so the answer can be a step
+        stale. For estimates (admission control), never for serving blocks."""
+        parent, found = root, 0
+        for start in range(0, min(max_blocks, len(token_ids) // block_size) * block_size, block_size):
+            block_hash = hash_block(parent, token_ids[start:start + block_size])
+            cached = self._by_hash.get(block_hash)
+            if cached is None or cached.parent_hash != parent or cached.namespace != namespace:
+                break
+            found += 1
+            parent = block_hash
+        return found
+
     def insert(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int],
                namespace: str, depth: int) -> bool:
         """Makes a full, computed block addressable. False when the same content is already cached
