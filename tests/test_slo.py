@@ -140,6 +140,11 @@ def test_first_token_delay_steps_the_queue_forward():
     # One running slot, held by a request with 5 tokens to go: 5 decode steps, then the prompt.
     full = EngineLoad(running=(PendingWork(0, 5),), token_budget=100, max_running=1, step_cost=cost)
     assert first_token_delay_s(full, [PendingWork(10, 5)]) == pytest.approx(5 * 0.101 + 0.11)
+    # With a completion rate known, running requests free their slots at that rate, not at max_tokens.
+    rated = dataclasses.replace(full, running=(PendingWork(0, 1000),), completion_rate=2.0)
+    assert first_token_delay_s(rated, [PendingWork(10, 5)]) == pytest.approx(0.5 + 0.11)
+    two = dataclasses.replace(rated, running=(PendingWork(0, 1000),) * 2, max_running=2)
+    assert first_token_delay_s(two, [PendingWork(10, 5)] * 2) == pytest.approx(1.0 + 0.111)   # beside a decode
     # n samples: the last one's first token.
     assert first_token_delay_s(empty, [PendingWork(60, 5)] * 2) == pytest.approx(0.2 + 0.1 + 0.021)
     # The simulation stops once past the horizon, and with no model there is nothing to predict.

@@ -134,7 +134,8 @@ class Scheduler:
         return EngineLoad(running=tuple(work(r) for r in self.running), waiting=tuple(work(r) for r in self.waiting),
                           token_budget=self.config.max_num_batched_tokens, max_running=self._max_running,
                           max_step_s=slo.max_step_s if slo is not None and self._caps_step_length else None,
-                          step_cost=slo.step_cost.coefficients if slo is not None else None)
+                          step_cost=slo.step_cost.coefficients if slo is not None else None,
+                          completion_rate=slo.completion_rate() if slo is not None else None)
 
     @property
     def _caps_step_length(self) -> bool:
@@ -348,6 +349,8 @@ class Scheduler:
             return
         request.status = status
         request.finished_time = time.monotonic()
+        if self.slo is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.slo.observe_completion()
         if request in self.running:
             self.running.remove(request)
         else:

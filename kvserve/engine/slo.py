@@ -5,9 +5,8 @@ than the last, and a large batch slows every step. Goodput (requests that meet b
 second) then collapses, although the engine is busy. Three controls keep it up:
 
 - Step length: a step's tokens are capped so that the step, as the step-cost model
-  (kvserve/engine/step_cost.py) predicts it, ends within a quarter of the TTFT target and within
-  the TPOT target. A newcomer then never waits long for the step in progress, and a prompt chunk
-  does not stretch every running request's inter-token time.
+  (kvserve/engine/step_cost.py) predicts it, ends within a quarter of the TTFT target. A newcomer
+  then never waits long for the step in progress before its own prompt can start.
 - TPOT: each running request gets one token per step, so the step time is its inter-token time.
   An additive-increase / multiplicative-decrease limit on the number of running requests keeps a
   smoothed step time under the target (less a margin for the host's own per-token work). It only
@@ -54,6 +53,8 @@ GROW_BELOW = 0.9
 DECREASE_FACTOR = 0.9         # multiplicative decrease per step over the target
 INCREASE_STEP = 0.25          # additive increase per step under it (one more request per 4 steps)
 STEP_TIME_SMOOTHING = 0.2     # weight of the newest step in the exponential average
+COMPLETION_WINDOW_S = 10.0    # completions counted for the completion-rate estimate
+MIN_COMPLETIONS_FOR_RATE = 4  # fewer than this: running requests are taken to run to max_tokens
 # A simulation of the steps ahead gives up past this many (the answer is then "too late").
 MAX_SIMULATED_STEPS = 100_000
 
@@ -90,6 +91,9 @@ class EngineLoad:
     max_running: int = 1                      # the running limit (TPOT) or max_num_seqs
     max_step_s: Optional[float] = None        # the step-length cap (see step_token_budget)
     step_cost: Optional[StepCoefficients] = None
+    # Completions per second recently (None until enough were seen): how fast running requests
+    # free their slots, which their max_tokens bounds only loosely.
+    completion_rate: Optional[float] = None
 
 
 def step_token_budget(token_budget: int, max_step_s: Optional[float], step_cost: Optional[StepCoefficients],
@@ -107,37 +111,51 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
     """Seconds until every request in `new`, queued behind `load`, has its first token, by stepping
     the scheduler's rules forward: running requests first, then admissions in queue order up to the
     running limit, decodes one token each, prompt chunks in order under the step's token budget, each
-    step costing what the step-cost model says. Decoding requests leave after their output tokens
-    left (an upper bound: EOS may end them sooner) and cache hits are not counted, so the delay errs
-    long. KV capacity is not simulated. Stops early once past `horizon_s`."""
+    step costing what the step-cost model says. The requests decoding now leave one per 1 /
+    completion_rate seconds when that rate is known (the engine's own recent experience), else after
+    their output tokens left (an upper bound: EOS often ends them sooner); requests that start during
+    the simulation leave after theirs. Cache hits are counted as the load states them; KV capacity
+    is not simulated. Stops early once past `horizon_s`."""
     cost = load.step_cost
     targets = list(new)
     if cost is None or not targets:
         return 0.0
     queue: collections.deque[list] = collections.deque()    # [prompt tokens left, output tokens left, is new]
     prefilling: collections.deque[list] = collections.deque()
-    leaving: collections.Counter[int] = collections.Counter()  # step after which that many decoders leave
+    leave_at_step: collections.Counter[int] = collections.Counter()   # step after which that many leave
+    leave_at_time: collections.deque[float] = collections.deque()     # rate-based leaves, in seconds
     num_decoding = 0
     for work in load.running:
         if work.prompt_tokens_left > 0:
             prefilling.append([work.prompt_tokens_left, work.output_tokens_left, False])
         elif work.output_tokens_left > 0:
             num_decoding += 1
-            leaving[work.output_tokens_left] += 1
+            if load.completion_rate is None:
+                leave_at_step[work.output_tokens_left] += 1
+    if load.completion_rate is not None:
+        leave_at_time.extend((k + 1) / load.completion_rate for k in range(num_decoding))
     for work in load.waiting:
         queue.append([max(1, work.prompt_tokens_left), work.output_tokens_left, False])
     for work in targets:
         queue.append([max(1, work.prompt_tokens_left), work.output_tokens_left, True])
     targets_left, elapsed, step = len(targets), 0.0, 0
     for _ in range(MAX_SIMULATED_STEPS):
-        if not prefilling and (not queue or num_decoding >= load.max_running):
-            # Only decodes until the next request leaves and frees a running slot: skip there.
-            if not leaving:
+        if not prefilling and num_decoding >= load.max_running:
+            # Only decodes until a running request leaves and frees a slot: skip to that moment.
+            decode_step_s = cost.seconds(num_decoding, num_decoding)
+            by_step = (elapsed + (min(leave_at_step) - step) * decode_step_s) if leave_at_step else math.inf
+            by_time = leave_at_time[0] if leave_at_time else math.inf
+            if by_step == by_time == math.inf:
                 return math.inf
-            next_leave = min(leaving)
-            elapsed += (next_leave - step) * cost.seconds(num_decoding, num_decoding)
-            step = next_leave
-            num_decoding -= leaving.pop(step)
+            if by_step <= by_time:
+                step = min(leave_at_step)
+                num_decoding -= leave_at_step.pop(step)
+                elapsed = by_step
+            else:
+                step += max(1, math.ceil((by_time - elapsed) / decode_step_s)) if decode_step_s > 0 else 1
+                leave_at_time.popleft()
+                num_decoding -= 1
+                elapsed = max(elapsed, by_time)
             if elapsed > horizon_s:
                 return elapsed
             continue
@@ -173,8 +191,11 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
                     return elapsed
             if outputs_left > 1:
                 num_decoding += 1
-                leaving[step + outputs_left - 1] += 1
-        num_decoding -= leaving.pop(step, 0)
+                leave_at_step[step + outputs_left - 1] += 1
+        num_decoding -= leave_at_step.pop(step, 0)
+        while leave_at_time and leave_at_time[0] <= elapsed:
+            leave_at_time.popleft()
+            num_decoding -= 1
         if elapsed > horizon_s:
             return elapsed
     return math.inf
@@ -191,6 +212,7 @@ class SLOController:
         self.step_time_s: Optional[float] = None          # exponential average over busy steps
         self.step_cost = StepCostModel()
         self._limit = float(max_num_seqs)
+        self._completions: collections.deque[float] = collections.deque()
         self.num_rejected_at_arrival = 0
         self.num_rejected_in_queue = 0
 
@@ -219,6 +241,23 @@ class SLOController:
             # the limit holds back is rejected at arrival and never shows up as a queue.
             self._limit = min(float(self.max_num_seqs), self._limit + INCREASE_STEP)
 
+    def observe_completion(self) -> None:
+        now = self.clock()
+        self._completions.append(now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._completions and self._completions[0] < now - COMPLETION_WINDOW_S:
+            self._completions.popleft()
+
+    def completion_rate(self) -> Optional[float]:
+        """Completed requests per second over the recent window; None until enough were seen."""
+        now = self.clock()
+        self._trim(now)
+        if len(self._completions) < MIN_COMPLETIONS_FOR_RATE:
+            return None
+        return len(self._completions) / max(now - self._completions[0], 1e-3)
+
     # --- decisions -----------------------------------------------------------------------------
     @property
     def step_time_target_s(self) -> Optional[float]:
@@ -226,13 +265,10 @@ class SLOController:
 
     @property
     def max_step_s(self) -> Optional[float]:
-        """How long one step may take under the targets (None: no cap)."""
-        caps = []
-        if self.targets.ttft_s is not None:
-            caps.append(self.targets.ttft_s * STEP_SHARE_OF_TTFT)
-        if self.step_time_target_s is not None:
-            caps.append(self.step_time_target_s)
-        return min(caps) if caps else None
+        """How long one step may take under the TTFT target (None: no cap). The TPOT target caps
+        no step: its running limit already holds the smoothed step time, prompt chunks included, and
+        capping chunks to it as well cut prefill throughput (and goodput) under overload."""
+        return None if self.targets.ttft_s is None else self.targets.ttft_s * STEP_SHARE_OF_TTFT
 
     @property
     def max_running(self) -> int:
