@@ -239,6 +239,8 @@ class BurstPoint:
     admitted_ttft_p99_s: Optional[float]
     admitted_ttft_max_s: Optional[float]
     admitted_meeting_ttft_fraction: Optional[float]
+    admitted_tpot_p50_s: Optional[float]
+    admitted_tpot_p99_s: Optional[float]
     duration_s: float
     output_tokens_per_s: float
     errors: list[str] = field(default_factory=list)
@@ -337,6 +339,8 @@ async def run_burst(url: str, model: str, count: int, args: argparse.Namespace,
         admitted_ttft_max_s=_round(max(ttfts)) if ttfts else None,
         admitted_meeting_ttft_fraction=(round(sum(t <= args.slo_ttft for t in ttfts) / len(ttfts), 3)
                                         if ttfts else None),
+        admitted_tpot_p50_s=_round(percentile([r.tpot for r in done if r.tpot is not None], 50)),
+        admitted_tpot_p99_s=_round(percentile([r.tpot for r in done if r.tpot is not None], 99)),
         duration_s=round(duration, 3),
         output_tokens_per_s=round(sum(r.output_tokens for r in done) / duration, 2),
         errors=sorted({r.error[:200] for r in other})[:5])
@@ -349,7 +353,8 @@ def format_burst(point: BurstPoint, ttft_target: float) -> str:
             f"(503 after p50 {f(point.reject_time_p50_s)} / p99 {f(point.reject_time_p99_s)} / max "
             f"{f(point.reject_time_max_s)} s), {point.num_other_errors} other errors; admitted TTFT p50 "
             f"{f(point.admitted_ttft_p50_s)} / p99 {f(point.admitted_ttft_p99_s)} / max {f(point.admitted_ttft_max_s)} s "
-            f"against {ttft_target:g} s ({f(point.admitted_meeting_ttft_fraction)} meet it); "
+            f"against {ttft_target:g} s ({f(point.admitted_meeting_ttft_fraction)} meet it), TPOT p50 "
+            f"{f(point.admitted_tpot_p50_s)} / p99 {f(point.admitted_tpot_p99_s)} s; "
             f"{point.output_tokens_per_s:.1f} out tok/s over {point.duration_s:.1f} s")
 
 

@@ -292,6 +292,28 @@ def test_arrival_rejection_through_the_engine(tiny_checkpoint):
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
 
 
+def test_with_shedding_the_tpot_limit_acts_at_arrival_not_on_accepted_requests(tiny_checkpoint, reference):
+    folder, _ = tiny_checkpoint
+    # A TPOT target no step meets: the running limit falls to one once steps are measured.
+    engine = _engine(folder, slo_tpot=1e-9, slo_ttft=100.0, slo_shed=True, max_num_seqs=4)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()
+    assert engine.scheduler.slo.max_running == 1 and engine.scheduler.make_load().max_running == 1
+    for i, prompt in enumerate(PROMPTS[2:4], start=2):      # accepted: 100 s is time enough to wait
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    outputs, most_running = _run(engine)
+    assert most_running == 4                                   # accepted ones are not held back by the cut
+    assert {key: out.outputs[0].token_ids for key, out in outputs.items()} == \
+        {key: reference[key] for key in ("0", "1", "2", "3")}
+    # New arrivals are judged with the cut limit: one slot, taken by b for its 12 steps of 10 s.
+    engine.scheduler.slo.step_cost = FixedCost(10.0, 0.0)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    with pytest.raises(RequestOverloaded, match="~1[23]0.0 s"):
+        engine.add_request("late", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    _run(engine)
+
+
 def test_arrival_prediction_counts_the_cached_prefix(tiny_checkpoint):
     """A prompt whose prefix is cached computes only the rest: judged by that, not its length."""
     from kvserve.engine.async_engine import AsyncEngine

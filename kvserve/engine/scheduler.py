@@ -132,7 +132,8 @@ class Scheduler:
 
         slo = self.slo
         return EngineLoad(running=tuple(work(r) for r in self.running), waiting=tuple(work(r) for r in self.waiting),
-                          token_budget=self.config.max_num_batched_tokens, max_running=self._max_running,
+                          token_budget=self.config.max_num_batched_tokens,
+                          max_running=slo.expected_max_running() if slo is not None else self._max_running,
                           max_step_s=slo.max_step_s if slo is not None and self._caps_step_length else None,
                           step_cost=slo.step_cost.coefficients if slo is not None else None,
                           completion_rate=slo.completion_rate() if slo is not None else None)
@@ -148,6 +149,16 @@ class Scheduler:
         if not self._caps_step_length:
             return budget
         return self.slo.step_token_budget(budget, len(self.running) + 1)
+
+    @property
+    def _admission_limit(self) -> int:
+        """Running requests beyond which no waiting one is admitted. With TTFT shedding the TPOT
+        limit acts at arrival instead (the simulation assumes it): a request accepted there was
+        promised its first token in time, and a cut of the limit after a burst (its prompt steps are
+        slow) must not hold it in the queue until its deadline sheds it late."""
+        if self.slo is not None and self.slo.shed_deadline_s() is not None:
+            return self.config.max_num_seqs
+        return self._max_running
 
     @property
     def _max_running(self) -> int:
@@ -254,7 +265,7 @@ class Scheduler:
         candidates = self._waiting_order()
         admitted: set[str] = set()
         for request in candidates:
-            if budget <= 0 or len(self.running) >= self._max_running:
+            if budget <= 0 or len(self.running) >= self._admission_limit:
                 break
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             hit = self._lookup(request)

@@ -275,6 +275,20 @@ class SLOController:
         """How many requests may run at once under the TPOT target."""
         return max(1, min(self.max_num_seqs, int(self._limit)))
 
+    def expected_max_running(self) -> int:
+        """The running limit the simulation of the steps ahead assumes: today's, or, under a TPOT
+        target, no more decodes than the step-cost model fits in a step of the held time, which is
+        where the limit goes once the steps ahead have been measured (a burst admitted by today's
+        limit would otherwise be cut mid-way and wait in the queue past its deadline)."""
+        limit = self.max_running
+        cost, target = self.step_cost.coefficients, self.step_time_target_s
+        if cost is None or target is None:
+            return limit
+        per_decode = cost.per_token_s + cost.per_sequence_s
+        if per_decode <= 0:
+            return limit
+        return max(1, min(limit, math.floor((target - cost.fixed_s) / per_decode)))
+
     def step_token_budget(self, token_budget: int, num_sequences: int) -> int:
         return step_token_budget(token_budget, self.max_step_s, self.step_cost.coefficients, num_sequences)
 

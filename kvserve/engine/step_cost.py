@@ -23,8 +23,10 @@ from typing import Iterable, Optional
 # Weight of a step after each newer one: ~100 steps of memory, a few seconds of a busy GPU engine.
 FORGETTING = 0.99
 # A calibration sample counts as this many steps: the first few real steps (often odd ones: a warm-up
-# request, one decode) must not swing the fit away from it before the data covers other shapes.
-CALIBRATION_WEIGHT = 8.0
+# request, one decode) must not swing the fit away from it, but real steps, which also pay for the
+# host's sampling and output work that the probe forwards lack (on the 2-core CPU a decode step took
+# 1.3-2.5x the calibrated estimate), should take over within a few dozen steps.
+CALIBRATION_WEIGHT = 2.0
 # Ridge term (relative to each feature's own scale) so that a fit of steps of one shape stays solvable.
 RIDGE = 1e-6
 _NUM_FEATURES = 3
