@@ -16,7 +16,7 @@ from kvserve.engine.engine import Engine
 from kvserve.engine.slo import (DECREASE_FACTOR, INCREASE_STEP, MIN_PROMPT_TOKENS_PER_STEP, TPOT_MARGIN,
                                 EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets,
                                 first_token_delay_s, step_token_budget)
-from kvserve.engine.step_cost import StepCoefficients, StepCostModel, StepShape
+from kvserve.engine.step_cost import StepCoefficients, StepCostModel, StepShape, measure_step_shapes
 
 
 class FakeClock:
@@ -117,6 +117,24 @@ def test_step_cost_model_follows_the_machine_and_stays_non_negative():
         model.observe(StepShape(100, 1), 2.0)
         model.observe(StepShape(300, 1), 4.0)
     assert model.seconds(200, 1) == pytest.approx(3.0, rel=0.01)
+
+
+def test_calibration_times_prompt_lengths_where_their_cost_shows():
+    """A GPU reads the weights as fast for 64 tokens as for 1,024: a calibration at short prompts
+    would call tokens free. The ladder doubles until the cost grows with the tokens."""
+    calls = []
+
+    def forward(num_tokens: int, num_sequences: int) -> None:      # a roofline: flat, then linear
+        calls.append((num_tokens, num_sequences))
+        time.sleep(max(0.01, num_tokens * 2e-5) + num_sequences * 1e-4)
+
+    samples = measure_step_shapes(forward, token_budget=8192, max_num_seqs=256)
+    assert [shape for shape, _ in samples] == [StepShape(1024, 1), StepShape(2048, 1), StepShape(32, 32)]
+    assert len(calls) == 3 * 7                          # 6 lengths and the decode shape, 1 warm-up + 2 runs
+    model = StepCostModel()
+    model.calibrate(samples)
+    assert model.coefficients.per_token_s == pytest.approx(2e-5, rel=0.3)
+    assert measure_step_shapes(lambda *_: None, token_budget=16, max_num_seqs=4)[0][0] == StepShape(16, 1)
 
 
 def test_step_token_budget_caps_the_step_to_its_time_target():

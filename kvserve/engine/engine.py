@@ -21,7 +21,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvserve.engine.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.engine.sampling import SamplingParams
 from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput, SchedulerStalled
-from kvserve.engine.step_cost import StepShape
+from kvserve.engine.step_cost import StepShape, measure_step_shapes
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
@@ -35,11 +35,6 @@ logger = logging.getLogger("kvserve")
 
 PromptInput = Union[str, list[int], dict[str, Any]]
 _DEFAULT_CPU_KV_BYTES = 1 << 30
-# Step shapes timed at start when latency targets are set (see _time_step_shapes): two prompt
-# lengths tell the per-token cost from the fixed one, a decode-like shape the per-sequence cost.
-CALIBRATION_PROMPT_TOKENS = (64, 256)
-CALIBRATION_SEQUENCES = 32
-CALIBRATION_RUNS = 2
 
 
 @dataclass
@@ -207,30 +202,24 @@ class Engine:
         return budget
 
     def _time_step_shapes(self) -> list[tuple[StepShape, float]]:
-        """A few forwards timed at start (latency targets only): the step-cost model's first
-        estimate, so that the first requests are judged by this machine's speed. A probe runner with
-        a cache of its own keeps the engine's blocks untouched. Later steps refine the fit."""
+        """Forwards timed at start (latency targets only): the step-cost model's first estimate, so
+        that the first requests are judged by this device's speed (measure_step_shapes says which).
+        A probe runner with a cache of its own keeps the engine's blocks untouched."""
         sched = self.config.scheduler_config
         block_size = self.config.cache_config.block_size
         budget = sched.max_num_batched_tokens
-        num_sequences = min(sched.max_num_seqs, budget, CALIBRATION_SEQUENCES)
-        shapes = [StepShape(min(budget, n), 1) for n in CALIBRATION_PROMPT_TOKENS]
-        shapes.append(StepShape(num_sequences, num_sequences))
-        probe = ModelRunner(self.model, self.device, self.dtype, -(-max(s.num_tokens for s in shapes) // block_size) + 1,
-                            block_size, set(), self.config.model_config.attention_backend)
-        def timed(shape: StepShape) -> float:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            started = time.perf_counter()
-            probe.profile_forward(shape.num_tokens, shape.num_sequences)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return time.perf_counter() - started
+        probe = ModelRunner(self.model, self.device, self.dtype, -(-budget // block_size) + 1, block_size, set(),
+                            self.config.model_config.attention_backend)
+        cuda = self.device.type == "cuda"
 
-        for shape in shapes:          # first runs warm up (allocations, packed weights, kernels): not kept
-            timed(shape)
-        # The least of a few runs: another process on the cores only ever adds time.
-        samples = [(shape, min(timed(shape) for _ in range(CALIBRATION_RUNS))) for shape in shapes]
+        def forward(num_tokens: int, num_sequences: int) -> None:
+            probe.profile_forward(num_tokens, num_sequences)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        samples = measure_step_shapes(forward, budget, sched.max_num_seqs)
         del probe
         logger.info("step-cost calibration: %s", ", ".join(f"{s.num_tokens} tokens x {s.num_sequences} seqs "
                                                           f"{seconds * 1e3:.1f} ms" for s, seconds in samples))

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 # Weight of a step after each newer one: ~100 steps of memory, a few seconds of a busy GPU engine.
 FORGETTING = 0.99
@@ -30,6 +31,13 @@ CALIBRATION_WEIGHT = 2.0
 # Ridge term (relative to each feature's own scale) so that a fit of steps of one shape stays solvable.
 RIDGE = 1e-6
 _NUM_FEATURES = 3
+# Calibration (measure_step_shapes): prompt lengths double from the first until a forward takes this
+# many times the first one's time, where its cost grows with its tokens (a GPU reads the weights in
+# the same time for 64 tokens as for 1,024: below that the per-token cost does not show).
+CALIBRATION_FIRST_TOKENS = 64
+CALIBRATION_LINEAR_FACTOR = 3.0
+CALIBRATION_SEQUENCES = 32      # the decode-like shape: this many sequences of one token
+CALIBRATION_RUNS = 2            # timed runs per shape after a warm-up run; the fastest is kept
 
 
 @dataclass(frozen=True)
@@ -148,3 +156,31 @@ def _gauss_solve(matrix: list[list[float]], vector: list[float]) -> Optional[lis
     for r in range(n - 1, -1, -1):
         solution[r] = (rows[r][n] - sum(rows[r][c] * solution[c] for c in range(r + 1, n))) / rows[r][r]
     return solution
+
+
+def measure_step_shapes(forward: Callable[[int, int], None], token_budget: int,
+                        max_num_seqs: int) -> list[tuple[StepShape, float]]:
+    """Times `forward(num_tokens, num_sequences)` (which must return once the device is done) at
+    the shapes that tell the three coefficients apart: the two longest prompt lengths of a doubling
+    ladder that stops where the cost grows with the tokens (or at the budget), and a decode-like
+    shape of many one-token sequences. Each shape runs once to warm up (allocations, packed weights,
+    kernel variants), then the fastest of a few runs is kept: another process on the cores only ever
+    adds time."""
+    def timed(num_tokens: int, num_sequences: int) -> float:
+        forward(num_tokens, num_sequences)
+        best = math.inf
+        for _ in range(CALIBRATION_RUNS):
+            started = time.perf_counter()
+            forward(num_tokens, num_sequences)
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    first = min(token_budget, CALIBRATION_FIRST_TOKENS)
+    ladder = [(first, timed(first, 1))]
+    while ladder[-1][0] < token_budget and ladder[-1][1] < CALIBRATION_LINEAR_FACTOR * ladder[0][1]:
+        tokens = min(token_budget, 2 * ladder[-1][0])
+        ladder.append((tokens, timed(tokens, 1)))
+    samples = [(StepShape(tokens, 1), seconds) for tokens, seconds in ladder[-2:]]
+    sequences = min(max_num_seqs, token_budget, CALIBRATION_SEQUENCES)
+    samples.append((StepShape(sequences, sequences), timed(sequences, sequences)))
+    return samples
