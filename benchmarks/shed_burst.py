@@ -18,6 +18,7 @@ import os
 import platform
 import random
 import shlex
+import statistics
 import sys
 import time
 from typing import Optional
@@ -25,14 +26,11 @@ from typing import Optional
 from kvserve.config import add_engine_args, engine_options_from_args
 
 
-def percentile(values: list[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+def percentile(values: list[float], q: int) -> Optional[float]:
+    """Linear interpolation between order statistics (serve_bench's definition), q in 1..99."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -140,3 +140,16 @@ def assert_batch_invariant(folder: str, reference_llm, alone: list[list[int]], p
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     if "block_size" in overrides:
         assert engine.scheduler.num_preemptions_total > 0
+
+
+def assert_decode_close(errors: "torch.Tensor", tolerance: tuple[float, float], what: str,
+                        prefill_tolerance: float) -> None:
+    """Teacher-forced |logprob - full precision's| per prompt (rows) and step (columns): step 0 comes
+    from the prefill, which attends over the prompt's own full-precision K/V, so only the decode
+    steps measure the lossy cache; their mean and max must stay within `tolerance`."""
+    assert errors[:, 0].max() < prefill_tolerance, f"prefill logprobs moved by {errors[:, 0].max():.2e}"
+    decode = errors[:, 1:]
+    mean_bound, max_bound = tolerance
+    assert decode.mean() <= mean_bound and decode.max() <= max_bound, (
+        f"decode logprobs over {what}: mean |diff| {decode.mean():.4f} (bound {mean_bound}), "
+        f"max {decode.max():.4f} (bound {max_bound})")

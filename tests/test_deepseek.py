@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import INVARIANCE_CASES, TEST_DEVICE, assert_batch_invariant, prompt_logprob_errors
+from conftest import INVARIANCE_CASES, TEST_DEVICE, assert_batch_invariant, assert_decode_close, prompt_logprob_errors
 from deepseek_fixtures import build_tiny_deepseek, tiny_deepseek_config
 from kvserve import LLM, SamplingParams
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
@@ -169,13 +169,7 @@ def _fp8_latent_errors(folder, reference_llm, device: str):
 
 
 def _assert_fp8_latent_close(errors: torch.Tensor) -> None:
-    # Step 0 comes from the prefill, which attends over the prompt's own full-precision latent.
-    assert errors[:, 0].max() < 1e-3, f"prefill logprobs moved by {errors[:, 0].max():.2e}"
-    decode = errors[:, 1:]
-    mean_bound, max_bound = FP8_LATENT_TOLERANCE
-    assert decode.mean() <= mean_bound and decode.max() <= max_bound, (
-        f"decode logprobs over the fp8 latent: mean |diff| {decode.mean():.4f} (bound {mean_bound}), "
-        f"max {decode.max():.4f} (bound {max_bound})")
+    assert_decode_close(errors, FP8_LATENT_TOLERANCE, "the fp8 latent", prefill_tolerance=1e-3)
 
 
 def test_fp8_latent_cache_stays_close(checkpoint, engine_llm):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_decode_close
 from kvserve.attention.backend import TorchAttentionBackend
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
 from kvserve.config import EngineConfig
@@ -355,13 +356,7 @@ def _case_tolerance(engine) -> tuple[float, float]:
 
 
 def _assert_decode_close(errors: torch.Tensor, tolerance: tuple[float, float]) -> None:
-    # Step 0 is the prefill's token (full-precision K/V of the prompt itself): the same up to rounding.
-    assert errors[:, 0].max() < 1e-4, f"prefill logprobs moved by {errors[:, 0].max():.2e}"
-    decode = errors[:, 1:]
-    mean_bound, max_bound = tolerance
-    assert decode.mean() <= mean_bound and decode.max() <= max_bound, (
-        f"decode logprobs over the quantized cache: mean |diff| {decode.mean():.4f} (bound {mean_bound}), "
-        f"max {decode.max():.4f} (bound {max_bound})")
+    assert_decode_close(errors, tolerance, "the quantized cache", prefill_tolerance=1e-4)
 
 
 @pytest.fixture
