@@ -3,12 +3,12 @@
     PYTHONPATH=. python benchmarks/kv_fidelity.py                      # all formats (CPU: ~1 h)
     PYTHONPATH=. python benchmarks/kv_fidelity.py --formats full,int8 --num-segments 2 --segment-len 256
 
-Perplexity is measured token by token through the engine's paged cache (kvserve.kvcache.quant_eval),
+Perplexity is measured token by token through the engine's paged cache (kvserve.eval.kv_fidelity),
 greedy agreement through the engine's generate loop, passkey retrieval at --passkey-len. The static
 per-channel key scales are calibrated on other plays than the evaluation text (Othello, King Lear vs
 Hamlet, Macbeth, Twelfth Night, Julius Caesar). Capacity per format is computed for a fixed KV
 budget from each format's true bytes per token, for the default model and two 7-8B shapes in bf16.
-Every format runs through one forward path (on the CPU the torch one: quant_eval.one_forward_path),
+Every format runs through one forward path (on the CPU the torch one: kvserve.eval.kv_fidelity.one_forward_path),
 "full" is the reference, and formats needing the calibrated scales get this run's (or --scales).
 Writes benchmarks/results/kv_fidelity_cpu_default_model.json and kv_capacity.json.
 """
@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from kvserve.kvcache.quant import build_kv_cache_spec, capacity_ratio  # noqa: E402
-from kvserve.kvcache.quant_eval import (DEFAULT_FORMATS, calibrate, clean_markdown, read_text,  # noqa: E402
+from kvserve.eval.kv_fidelity import (DEFAULT_FORMATS, calibrate, clean_markdown, read_text,  # noqa: E402
                                         run_eval, select_formats)
 
 

@@ -223,7 +223,7 @@ def e2e_section(formats: list[str], input_len: int, output_len: int, batch: int)
     """Engine tok/s with dummy R1-Distill-Qwen-7B weights, per KV format: the whole run (prefill
     included), and the decode steps alone, timed in a run of their own once every prompt is computed
     (the device synchronized before and after)."""
-    from kvserve.bench import bench_kvserve
+    from kvserve.eval.bench import bench_kvserve
     from kvserve.engine.engine import Engine
     rows = []
     for fmt_name in formats:
@@ -253,7 +253,7 @@ def timed_decode(engine, batch: int, input_len: int, output_len: int, seed: int)
     """Seconds and engine steps from the moment every prompt of a batch is computed (their first
     tokens sampled) until the last request finishes: the batch's output_len - 1 decode steps (plus
     the step that only collects the last tokens, with overlapped scheduling)."""
-    from kvserve.bench import random_prompts, step_until_prompts_computed
+    from kvserve.eval.bench import random_prompts, step_until_prompts_computed
     from kvserve.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
     for prompt in random_prompts(batch, input_len, engine.model.config.vocab_size, seed):

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from kvserve.bench import environment_info, step_until_prompts_computed
+from kvserve.eval.bench import environment_info, step_until_prompts_computed
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams

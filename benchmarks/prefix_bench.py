@@ -52,7 +52,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvserve.kvcache.eviction import LRUPolicy, make_policy  # noqa: E402
+from kvserve.kvcache.policies import LRUPolicy, make_policy  # noqa: E402
 from kvserve.kvcache.manager import KVCacheManager, blocks_for_tokens  # noqa: E402
 from kvserve.kvcache.prefix_cache import PrefixCache, chain_hashes, namespace_root  # noqa: E402
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from kvserve.bench import random_prompts
+from kvserve.eval.bench import random_prompts
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.engine.engine import Engine
 from kvserve.engine.sampling import SamplingParams

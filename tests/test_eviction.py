@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from kvserve.kvcache.adaptive import AdaptivePolicy, ShadowCache, default_arms
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.eviction import (AccessStats, Evictor, FanoutPolicy, LFUAgePolicy, LRUKPolicy, LRUPolicy,
-                                      make_policy)
 from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.policies import (AccessStats, Evictor, FanoutPolicy, LFUAgePolicy, LRUKPolicy, LRUPolicy,
+                                      make_policy)
+from kvserve.kvcache.policies.adaptive import AdaptivePolicy, ShadowCache, default_arms
 from kvserve.kvcache.prefix_cache import PinLimitError, PrefixCache, chain_hashes, hash_block, namespace_root
 
 

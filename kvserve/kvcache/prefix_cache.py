@@ -30,8 +30,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import xxhash
 
-from kvserve.kvcache.adaptive import AdaptivePolicy, AdaptiveSnapshot
-from kvserve.kvcache.eviction import AccessStats, EvictionPolicy, Evictor, note_continuation
+from kvserve.kvcache.policies import (AccessStats, AdaptivePolicy, AdaptiveSnapshot, EvictionPolicy, Evictor,
+                                      make_policy, note_continuation)
 
 _ROOT_DOMAIN = b"kvserve.prefix.v1\0"
 
@@ -368,7 +368,6 @@ class PrefixCache:
 def build_prefix_cache(cache_config, num_blocks: int,
                        clock: Callable[[], float] = time.monotonic) -> Optional[PrefixCache]:
     """The engine's prefix cache from CacheConfig fields (None when prefix caching is off)."""
-    from kvserve.kvcache.eviction import make_policy
     parse_share_groups(cache_config.prefix_share_groups)   # a bad spec is an error at start-up
     if not cache_config.enable_prefix_caching:
         return None

@@ -434,7 +434,7 @@ def capacity_ratio(spec: KVCacheSpec, reference_bytes_per_element: int = 2) -> f
     return reference / spec.bytes_per_token
 
 
-# The engine options that make up a KV cache spec (build_kv_cache_spec's keywords; quant_eval's
+# The engine options that make up a KV cache spec (build_kv_cache_spec's keywords; eval/kv_fidelity's
 # formats set exactly these).
 KV_SPEC_OPTIONS = ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v", "kv_full_precision_first_layers",
                    "kv_full_precision_last_layers", "kv_quant_group_size", "kv_quant_window", "kv_quant_sinks",

@@ -24,8 +24,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from kvserve.kvcache.eviction import (AccessStats, EvictionPolicy, Evictor, FanoutPolicy, LFUAgePolicy, LRUKPolicy,
-                                      LRUPolicy, MAX_HISTORY, note_continuation)
+from kvserve.kvcache.policies.base import MAX_HISTORY, AccessStats, EvictionPolicy, note_continuation
+from kvserve.kvcache.policies.evictor import Evictor
+from kvserve.kvcache.policies.heat import FanoutPolicy, LRUKPolicy
+from kvserve.kvcache.policies.lfu_age import LFUAgePolicy
+from kvserve.kvcache.policies.lru import LRUPolicy
 
 logger = logging.getLogger("kvserve.prefix_cache")
 
