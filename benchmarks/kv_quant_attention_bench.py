@@ -254,7 +254,7 @@ def timed_decode(engine, batch: int, input_len: int, output_len: int, seed: int)
     tokens sampled) until the last request finishes: the batch's output_len - 1 decode steps (plus
     the step that only collects the last tokens, with overlapped scheduling)."""
     from kvserve.eval.bench import random_prompts, step_until_prompts_computed
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, output_kind="final_only")
     for prompt in random_prompts(batch, input_len, engine.model.config.vocab_size, seed):
         engine.add_request(None, {"prompt_token_ids": prompt}, params)

@@ -27,7 +27,7 @@ import torch
 from kvserve.eval.bench import environment_info, step_until_prompts_computed
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 def chat_like_lengths(num_requests: int, seed: int, prompt_median: int, output_median: int,

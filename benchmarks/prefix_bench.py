@@ -402,7 +402,7 @@ def simulate_belady(trace: list[TraceRequest], capacity_blocks: int) -> float:
 
 def ttft_run(enable_prefix_caching: bool, conversations: int, turns: int, max_tokens: int,
              system_words: int, seed: int) -> dict:
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.llm import LLM
     llm = LLM(None, dtype="float32", device="cpu", kv_cache_memory=256 << 20,
               enable_prefix_caching=enable_prefix_caching)

@@ -47,7 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from kvserve import SamplingParams
     from kvserve.engine.engine import Engine
-    from kvserve.engine.slo import RequestOverloaded
+    from kvserve.sched.slo import RequestOverloaded
 
     options = {**engine_options_from_args(args), "slo_shed": True}
     started = time.perf_counter()

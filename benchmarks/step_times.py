@@ -23,7 +23,7 @@ import torch
 from kvserve.eval.bench import random_prompts
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.engine.engine import Engine
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """kvserve: an LLM inference engine and OpenAI-compatible server built around the KV cache."""
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.llm import LLM
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

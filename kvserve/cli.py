@@ -28,7 +28,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser, default_max_tokens: int)
 
 
 def _sampling_params(args: argparse.Namespace):
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,

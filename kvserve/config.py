@@ -132,7 +132,7 @@ class SchedulerConfig:
                                          "scheduling and output handling overlap the GPU's work (steps that need "
                                          "penalties or logprobs run synchronously); auto: on for CUDA",
                                  choices=("auto", "on", "off"))
-    # Latency targets (kvserve/engine/slo.py; docs/slo_scheduling.md).
+    # Latency targets (kvserve/sched/slo.py; docs/slo_scheduling.md).
     slo_ttft: Optional[float] = _opt(None, "target time to first token, seconds (judged in "
                                            "kvserve:requests_slo_total); with --slo-shed, requests that cannot "
                                            "start in time are rejected (HTTP 503) instead of served late")

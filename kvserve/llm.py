@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from kvserve.engine.engine import Engine, PromptInput
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import TEST_DEVICE
 from kvserve import SamplingParams
 from kvserve.engine.engine import Engine
-from kvserve.engine.request import PENDING_TOKEN
+from kvserve.sched.request import PENDING_TOKEN
 
 PROMPTS = [[1, 17, 42, 99, 3], [1, 5], [1] + list(range(30, 75)), [1, 200, 201, 202, 203, 204, 205]]
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import requires_default_model
 from kvserve.engine.detokenizer import IncrementalDetokenizer, earliest_stop
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from conftest import TEST_DEVICE
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.scheduler import RequestRejected
+from kvserve.sched.scheduler import RequestRejected
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_unchunked_preempted_requests_recompute_past_the_budget_with_the_same_to
 
 
 def test_a_step_that_can_schedule_nothing_raises_instead_of_spinning(engine, monkeypatch):
-    from kvserve.engine.scheduler import SchedulerStalled
+    from kvserve.sched.scheduler import SchedulerStalled
     engine.add_request("stuck", [1, 2, 3], SamplingParams(max_tokens=4))
     monkeypatch.setattr(engine.scheduler, "_admit_waiting", lambda out, budget: None)   # admits nothing
     with pytest.raises(SchedulerStalled, match="no waiting request can be scheduled"):
@@ -158,7 +158,7 @@ def test_stop_token_ids_and_n(engine):
 
 
 def test_graph_batch_ladder_covers_every_batch_size():
-    from kvserve.runner import graph_batch_sizes
+    from kvserve.worker.runner import graph_batch_sizes
     sizes = graph_batch_sizes(100)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 100
     for batch in range(1, 101):
@@ -167,7 +167,7 @@ def test_graph_batch_ladder_covers_every_batch_size():
 
 
 def test_token_slices_match_the_concatenated_sequence():
-    from kvserve.engine.request import Request
+    from kvserve.sched.request import Request
     request = Request("r", [1, 2, 3, 4], SamplingParams(), max_tokens=8)
     request.output_token_ids.extend([7, 8, 9])
     whole = request.all_token_ids

@@ -249,7 +249,7 @@ def test_kv_cache_dtypes_kvserve_does_not_store_are_refused_with_the_reason(tiny
 
 # --- the engine end to end (tiny random checkpoints) ------------------------------------------------
 def _generate(folder, prompts, max_tokens=12, **options):
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.llm import LLM
     llm = LLM(model=folder, device="cpu", seed=0, **options)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
@@ -327,7 +327,7 @@ DECODE_CASES = {
 def full_precision_greedy(tiny_checkpoint):
     """(greedy continuation of each prompt, the logprob of each of its tokens) at full precision,
     through the engine's ordinary generate loop."""
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.llm import LLM
     folder, _ = tiny_checkpoint
     llm = LLM(model=folder, device="cpu", seed=0, kv_cache_memory=1 << 20)

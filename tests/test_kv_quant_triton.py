@@ -391,7 +391,7 @@ def test_engine_decodes_through_the_pipelined_kernel(tmp_path, options):
     kernel tests above, which read the same stored bytes."""
     import transformers
 
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.kernels.triton import decode_attention_quant
     from kvserve.llm import LLM
     torch.manual_seed(0)

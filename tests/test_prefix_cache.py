@@ -12,8 +12,8 @@ from conftest import TEST_DEVICE
 from kvserve import SamplingParams
 from kvserve.config import SchedulerConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.request import Request
-from kvserve.engine.scheduler import RequestRejected, Scheduler
+from kvserve.sched.request import Request
+from kvserve.sched.scheduler import RequestRejected, Scheduler
 from kvserve.kvcache.policies import LRUPolicy
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import (PrefixCache, chain_hashes, hash_block, make_namespace, namespace_root,

@@ -1,4 +1,4 @@
-"""Tests for kvserve.engine.sampling (CPU, fast)."""
+"""Tests for kvserve.sampling_params and kvserve.worker.sampler (CPU, fast)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Optional
 import pytest
 import torch
 
-from kvserve.engine.sampling import (
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.sampler import (
     SampleResult,
     Sampler,
-    SamplingParams,
     SamplingRow,
     apply_frequency_presence_penalties,
     apply_repetition_penalty,

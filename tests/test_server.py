@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     import uvicorn
 
     from kvserve.engine.async_engine import AsyncEngine
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     from kvserve.llm import LLM
     from kvserve.server.app import build_app
     from kvserve.server.config import ServerConfig

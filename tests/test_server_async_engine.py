@@ -16,7 +16,7 @@ import pytest
 
 from kvserve.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, FinishedRequest
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 class FakeEngine:

@@ -1,4 +1,4 @@
-"""Latency targets (kvserve/engine/slo.py): the TPOT running limit, TTFT shedding at arrival and in
+"""Latency targets (kvserve/sched/slo.py): the TPOT running limit, TTFT shedding at arrival and in
 the queue, on the controller alone (a fake clock) and through the engine on a tiny model."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from conftest import TEST_DEVICE, requires_default_model
 from kvserve import SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.engine.engine import Engine
-from kvserve.engine.slo import (DECREASE_FACTOR, INCREASE_STEP, MIN_PROMPT_TOKENS_PER_STEP, TPOT_MARGIN,
+from kvserve.sched.slo import (DECREASE_FACTOR, INCREASE_STEP, MIN_PROMPT_TOKENS_PER_STEP, TPOT_MARGIN,
                                 EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets,
                                 first_token_delay_s, step_token_budget)
-from kvserve.engine.step_cost import StepCoefficients, StepCostModel, StepShape, measure_step_shapes
+from kvserve.sched.step_cost import StepCoefficients, StepCostModel, StepShape, measure_step_shapes
 
 
 class FakeClock:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
-from kvserve.engine.step_cost import StepCoefficients
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
+from kvserve.sched.step_cost import StepCoefficients
 
 logger = logging.getLogger("kvserve.async_engine")
 

@@ -18,10 +18,11 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.engine.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
-from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import RequestRejected, Scheduler, SchedulerOutput, SchedulerStalled
-from kvserve.engine.step_cost import StepShape, measure_step_shapes
+from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
+from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
@@ -29,7 +30,7 @@ from kvserve.model.builder import build_model, resolve_device, resolve_dtype
 from kvserve.model.layers import configure_gemv
 from kvserve.model.loader import resolve_model
 from kvserve.kvcache.quant import spec_from_config
-from kvserve.runner import InflightStep, ModelRunner, StepResult, kv_bytes_per_token
+from kvserve.worker.runner import InflightStep, ModelRunner, StepResult, kv_bytes_per_token
 
 logger = logging.getLogger("kvserve")
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 
 
 @dataclass

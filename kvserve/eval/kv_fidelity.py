@@ -32,9 +32,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import ScheduledRequest
+from kvserve.sched.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import ScheduledRequest
 from kvserve.kvcache.quant import KV_SPEC_OPTIONS, resolve_format_name
 
 

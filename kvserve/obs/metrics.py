@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
 
 if TYPE_CHECKING:
-    from kvserve.engine.slo import SLOTargets
+    from kvserve.sched.slo import SLOTargets
     from kvserve.kvcache.prefix_cache import PrefixCacheStats
     from kvserve.model.moe import ExpertLoadStats
 

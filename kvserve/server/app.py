@@ -34,7 +34,7 @@ from pydantic import BaseModel, ValidationError
 
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.slo import SLOTargets
+from kvserve.sched.slo import SLOTargets
 from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.config import ServerConfig, server_config_from_args
 from kvserve.server.errors import APIError, echo, format_validation_errors, install_error_handlers

@@ -73,7 +73,7 @@ def from_value_error(exc: ValueError, default_param: Optional[str] = None) -> AP
     """SamplingParams / the engine raise ValueErrors whose message starts with the bad field's name."""
     import dataclasses
 
-    from kvserve.engine.sampling import SamplingParams
+    from kvserve.sampling_params import SamplingParams
     message = str(exc) or "invalid request"
     first_word = message.split(" ", 1)[0]
     fields = {f.name for f in dataclasses.fields(SamplingParams)}

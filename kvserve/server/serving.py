@@ -34,9 +34,9 @@ from jinja2.exceptions import TemplateError
 
 from kvserve.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.engine.sampling import SamplingParams
-from kvserve.engine.scheduler import RequestRejected
-from kvserve.engine.slo import RequestOverloaded
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.scheduler import RequestRejected
+from kvserve.sched.slo import RequestOverloaded
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, echo, error_body, from_value_error
 from kvserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,

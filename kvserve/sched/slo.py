@@ -5,7 +5,7 @@ than the last, and a large batch slows every step. Goodput (requests that meet b
 second) then collapses, although the engine is busy. Three controls keep it up:
 
 - Step length: a step's tokens are capped so that the step, as the step-cost model
-  (kvserve/engine/step_cost.py) predicts it, ends within a quarter of the TTFT target. A newcomer
+  (kvserve/sched/step_cost.py) predicts it, ends within a quarter of the TTFT target. A newcomer
   then never waits long for the step in progress before its own prompt can start.
 - TPOT: each running request gets one token per step, so the step time is its inter-token time.
   An additive-increase / multiplicative-decrease limit on the number of running requests keeps a
@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from kvserve.engine.step_cost import StepCoefficients, StepCostModel, StepShape
+from kvserve.sched.step_cost import StepCoefficients, StepCostModel, StepShape
 
 # The step time is held under this fraction of the TPOT target: the host's per-token work
 # (detokenizing, streaming) adds to the time a client sees between tokens.

@@ -13,7 +13,7 @@ with longer cached prefixes go first (they cost less to admit and their blocks m
 if they wait); a request overtaken `cache_aware_max_bypass` times goes strictly first, so nobody
 starves. Preempted requests always go first.
 
-Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/engine/slo.py): a step's tokens are
+Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/sched/slo.py): a step's tokens are
 capped so that it ends in time, the number of running requests is limited so the step time stays
 under the TPOT target, and with shedding a request that cannot get its first token in time is
 rejected at arrival (predicted by simulating the steps ahead) or in the queue.
@@ -24,12 +24,12 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.config import SchedulerConfig
-from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
-from kvserve.engine.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
+from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
+from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
@@ -43,32 +43,6 @@ class RequestRejected(ValueError):
 class SchedulerStalled(RuntimeError):
     """A step found waiting requests but nothing running and admitted none: an engine bug, raised so
     that a caller stepping until done gets an error instead of a hang."""
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int     # tokens computed this step, starting at request.num_computed_tokens
-
-    @property
-    def samples_token(self) -> bool:
-        """After this step the request's every token is computed, so the step yields its next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    rejected: list[Request] = field(default_factory=list)     # shed in the queue (missed TTFT deadline)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

@@ -14,9 +14,9 @@ import torch
 
 from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
-from kvserve.engine.request import PENDING_TOKEN, Request, RequestStatus
-from kvserve.engine.sampling import Sampler, SamplingRow, compute_prompt_logprobs
-from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
+from kvserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.kvcache.quant import KVCacheSpec, spec_from_config
 from kvserve.model.cpu_linear import can_pack, pack_linears
 

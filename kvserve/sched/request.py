@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.engine.sampling import SamplingParams
+from kvserve.sampling_params import SamplingParams
 from kvserve.kvcache.prefix_cache import make_namespace, namespace_root
 
 _DEFAULT_NAMESPACE = make_namespace(None, None)
