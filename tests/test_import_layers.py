@@ -28,6 +28,7 @@ LAYERS = (
     "kvserve.kernels",
     "kvserve.sampling_params",
     "kvserve.config",
+    "kvserve.envs",
 )
 
 # Upward imports still to be removed (issue 24), as (importing module, imported module).
@@ -162,3 +163,23 @@ def test_no_import_cycles():
 def test_the_checks_catch_what_they_are_for(graph, expected_upward, expected_cycles):
     assert upward_imports(graph) == expected_upward
     assert cycles(graph) == expected_cycles
+
+
+def test_the_environment_is_read_in_one_module():
+    """kvserve/envs.py names every environment variable kvserve reads; nothing else reads os.environ."""
+    readers = []
+    for path in ROOT.rglob("*.py"):
+        if path.name == "envs.py" and path.parent == ROOT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "os":
+                readers.append(f"{_module_name(path)}:{node.lineno}")
+    assert not readers, f"read the environment through kvserve.envs instead: {readers}"
+
+
+def test_the_readme_lists_every_environment_variable():
+    from kvserve import envs
+    readme = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+    missing = [var.name for var in envs.ALL if f"`{var.name}`" not in readme]
+    assert not missing, f"README.md's environment table lacks {missing}"

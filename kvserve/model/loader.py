@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import transformers
 
+from kvserve import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -189,7 +191,7 @@ def default_model_path() -> str:
 
 def kvserve_cache_dir() -> str:
     """``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``."""
-    return os.path.abspath(os.path.expanduser(os.environ.get("KVSERVE_CACHE_DIR") or "~/.cache/kvserve"))
+    return envs.cache_dir()
 
 
 def _check_architecture(arch: str, path: str, supported: tuple[str, ...]) -> None:

@@ -10,10 +10,10 @@ import argparse
 import dataclasses
 import ipaddress
 import json
-import os
 from dataclasses import dataclass
 from typing import Optional
 
+from kvserve import envs
 from kvserve.config import _opt, add_dataclass_args
 
 
@@ -79,7 +79,7 @@ class ServerConfig:
                 raise ValueError(f"--api-keys-file {self.api_keys_file!r} must be a JSON object of "
                                  "non-empty key strings to non-empty tenant strings (or null for no tenant)")
             keys.update(mapping)
-        api_key = self.api_key or os.environ.get("KVSERVE_API_KEY")
+        api_key = self.api_key or envs.KVSERVE_API_KEY.get()
         if api_key:
             keys[api_key] = keys.get(api_key)
         return keys

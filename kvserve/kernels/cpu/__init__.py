@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve import envs
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("llama_forward.c")
@@ -54,8 +56,7 @@ class LayerPointers(ctypes.Structure):
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
-    return Path(root) / "cpu_kernels"
+    return Path(envs.cache_dir()) / "cpu_kernels"
 
 
 def _build(compiler: str, flags: list[str]) -> Path | None:
@@ -77,9 +78,9 @@ def _build(compiler: str, flags: list[str]) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("KVSERVE_DISABLE_CPU_KERNELS") == "1":
+    if envs.KVSERVE_DISABLE_CPU_KERNELS.is_on():
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.CC.get() or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.info("no C compiler found; the CPU uses the torch path")
         return None

@@ -34,6 +34,8 @@ import os
 
 import torch
 
+from kvserve import envs
+
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = 14
 # Smaller buffers cannot hold a whole aligned huge page after alignment; they stay plain.
@@ -42,7 +44,7 @@ MIN_BYTES = 2 * HUGE_PAGE_BYTES
 
 @functools.lru_cache(maxsize=None)
 def _madvise():
-    if os.environ.get("KVSERVE_HUGE_PAGES", "1") == "0" or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
+    if not envs.KVSERVE_HUGE_PAGES.is_on() or not os.path.exists("/sys/kernel/mm/transparent_hugepage"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

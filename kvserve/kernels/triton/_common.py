@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from kvserve import envs
 
 
 # Arguments of the split-KV decode kernels that change from step to step. Triton specializes an
@@ -35,14 +36,14 @@ def pdl_enabled(device: torch.device) -> bool:
     before it drains, then waits (griddepcontrol.wait, its first instruction) until that one has
     finished and its writes are visible: the order of effects is unchanged, the gap between kernels
     shrinks. CUDA graphs keep it. KVSERVE_PDL=0 turns it off."""
-    if interpreting() or device.type != "cuda" or os.environ.get("KVSERVE_PDL", "1") == "0":
+    if interpreting() or device.type != "cuda" or not envs.KVSERVE_PDL.is_on():
         return False
     return cuda_capability(device)[0] >= 9
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.TRITON_INTERPRET.is_on()
 
 
 @functools.lru_cache(maxsize=None)
