@@ -137,7 +137,7 @@ def one_point(shape_name: str, fmt_name: str, context_len: int, batch: int, bloc
         elif launch:
             from dataclasses import replace
 
-            from kvserve.kernels.triton.decode_attention_quant import default_quant_decode_config
+            from kvserve.kernels.triton.decode_attention_quant_config import default_quant_decode_config
             options = dict(config=replace(default_quant_decode_config(head_dim, query.dtype), tile=launch["tile"],
                                           num_warps=launch["num_warps"], num_stages=launch["num_stages"]),
                            value_staging=launch["value_staging"], asm=launch["asm"], implementation="fast")
@@ -190,7 +190,7 @@ SWEEP = [  # (tile, num_warps, num_stages, value_staging, asm); each shape is co
 def sweep_section(shapes: list[str], formats: list[str], context_len: int, batch: int, block_size: int) -> list[dict]:
     from dataclasses import replace
 
-    from kvserve.kernels.triton.decode_attention_quant import default_quant_decode_config
+    from kvserve.kernels.triton.decode_attention_quant_config import default_quant_decode_config
     rows_out = []
     for shape_name in shapes:
         for fmt_name in formats:

@@ -26,8 +26,8 @@ from attention_bench import bench_graphed  # noqa: E402
 from kv_quant_attention_bench import make_caches  # noqa: E402
 
 from kvserve.kernels.triton.decode_attention import decode_workspace, paged_decode_attention  # noqa: E402
-from kvserve.kernels.triton.decode_attention_quant import (default_quant_decode_config,  # noqa: E402
-                                                           paged_decode_attention_quant)
+from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant  # noqa: E402
+from kvserve.kernels.triton.decode_attention_quant_config import default_quant_decode_config  # noqa: E402
 
 SPLITS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 FORMATS = ("bf16", "int8", "fp8_e4m3", "int4-g32")

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kv_quant_attention_bench import make_caches, quant_attention_ms  # noqa: E402
 
-from kvserve.kernels.triton.decode_attention_quant import (default_quant_decode_config,  # noqa: E402
-                                                           paged_decode_attention_quant)
+from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant  # noqa: E402
+from kvserve.kernels.triton.decode_attention_quant_config import default_quant_decode_config  # noqa: E402
 
 VARIANTS = [  # tile, warps, ids_ahead, max_registers (2 pipeline stages throughout)
     (64, 4, False, None), (64, 4, False, 128), (64, 4, False, 96), (64, 4, True, 128),

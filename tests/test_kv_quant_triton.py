@@ -115,7 +115,7 @@ def _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_
 
 
 def _implementations(query, k_cache, v_cache):
-    from kvserve.kernels.triton.decode_attention_quant import fast_kernel_supported
+    from kvserve.kernels.triton.decode_attention_quant_config import fast_kernel_supported
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     return ((["pipelined"] if pipelined_supported(query, k_cache, v_cache) else [])
             + (["fast"] if fast_kernel_supported(query, k_cache, v_cache) else []) + ["generic"])
@@ -161,8 +161,8 @@ def test_fast_decode_kernel_launch_variants(options, tile, staging, ids_ahead):
     same result (windows, sinks and split edges then fall elsewhere in the tiles)."""
     from dataclasses import replace
 
-    from kvserve.kernels.triton.decode_attention_quant import (default_quant_decode_config,
-                                                               paged_decode_attention_quant)
+    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+    from kvserve.kernels.triton.decode_attention_quant_config import default_quant_decode_config
     torch.manual_seed(5)
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     heads, kv_heads, head_dim = SHAPES[-1]

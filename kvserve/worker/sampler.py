@@ -17,7 +17,6 @@ Processing order (the one vLLM and HF use, so outputs are comparable):
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 

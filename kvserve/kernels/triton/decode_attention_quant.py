@@ -57,7 +57,6 @@ are read on the device only.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 import triton
@@ -71,6 +70,8 @@ from kvserve.kernels.triton.decode_attention import (COMBINE_SPLIT_CHUNK, LOG2_E
                                                      unused_partials)
 from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_TO_F16_PTX,
                                                     INT8_TO_F16_PTX)
+from kvserve.kernels.triton.decode_attention_quant_config import (TL_DTYPES, fast_config, fast_kernel_supported,
+                                                                 fast_segments)
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
 
@@ -775,72 +776,11 @@ def _decode_split_quant_generic_kernel(
 
 
 # --- host ---------------------------------------------------------------------------------------
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _quant_resident_per_sm: dict[tuple, int] = {}
 # The pipelined kernel's splits fill 2 programs per SM even where 3 fit: on an H200 (32k context,
 # batch 32, Qwen-7B, int4, 128-position tiles of one KV head, 3 resident) 3 splits took 0.225 ms
 # against 0.202 for 2 (groups of 64) and 0.221 against 0.194 (groups of 128); docs/kv_quantization.md.
 PIPELINED_SPLIT_RESIDENT = 2
-
-
-def default_quant_decode_config(head_dim: int, dtype: torch.dtype, int4: bool = False) -> DecodeConfig:
-    """The fast kernel's launch shape for 16-bit queries (decode_attention's otherwise).
-
-    Measured on an H200 at 32k context, batch 32, Qwen-7B attention (benchmarks/kv_quant_variants.py,
-    benchmarks/results/kv_quant_variants_h200.json): the loop is latency-bound, not bound by its
-    instruction count (it issues in ~40% of the cycles), so what pays is bytes per iteration and
-    programs per SM. Tiles of 128 positions under 4 warps (twice the bytes of 64: int8 0.50 -> 0.40
-    ms); block ids one iteration ahead, so the payload loads wait on one round trip, not two; and for
-    8-bit parts a cap of 128 registers (4 programs per SM instead of 3: 0.40 -> 0.38 ms). int4 parts
-    (`int4`: either part is int4) spill under that cap and ran slower with it (0.39 -> 0.43 ms); they
-    get 168, which keeps 3 programs per SM when a full-precision window's loop needs more (212
-    registers uncapped: 2 per SM, 0.53 ms)."""
-    config = default_decode_config(head_dim, dtype)
-    if interpreting() or dtype == torch.float32:
-        return config
-    return replace(config, tile=128, num_warps=4, num_stages=2, ids_ahead=True,
-                   max_registers=168 if int4 else 128)
-
-
-def _fast_config(head_dim: int, dtype: torch.dtype, k_cache, v_cache) -> DecodeConfig:
-    int4 = any(not isinstance(c, torch.Tensor) and c.fmt.name == "int4" for c in (k_cache, v_cache))
-    return default_quant_decode_config(head_dim, dtype, int4)
-
-
-def _segments(cache, head_dim: int):
-    """(FORMAT, NSEG, SEG, GROUP, SCALED, STATIC) of a part for the fast kernel, None if it does not
-    fit it (segments of >= 16 power-of-2 columns, at most 4 per head)."""
-    if isinstance(cache, torch.Tensor):
-        return 0, 1, head_dim, head_dim, False, False
-    fmt = cache.fmt
-    width = head_dim // 2 if fmt.name == "int4" else head_dim
-    group = fmt.group(head_dim)
-    seg = width if fmt.static_scales else min(group, width)
-    if seg < 16 or seg & (seg - 1) or head_dim % seg or head_dim // seg > 4:
-        return None
-    return FORMAT_CODES[fmt.name], head_dim // seg, seg, group, not fmt.static_scales, fmt.static_scales
-
-
-def fast_kernel_supported(query: torch.Tensor, k_cache, v_cache, config: DecodeConfig | None = None) -> bool:
-    """Whether the fast kernel (segments, scales after the dots) serves these caches."""
-    head_dim = query.shape[2]
-    config = config or _fast_config(head_dim, query.dtype, k_cache, v_cache)
-    if head_dim < 16 or head_dim & (head_dim - 1) or not config.use_dot or config.tile < 16:
-        return False
-    if query.dtype not in _TL_DTYPES:
-        return False
-    if _segments(k_cache, head_dim) is None or _segments(v_cache, head_dim) is None:
-        return False
-    quantized = [c for c in (k_cache, v_cache) if not isinstance(c, torch.Tensor)]
-    rings = [c for c in quantized if c.window is not None]
-    if rings:
-        # The exact loop reads each part from its ring, or from a plain cache: every quantized part
-        # needs a ring, all with the same shape.
-        if len(rings) != len(quantized):
-            return False
-        if len({(c.num_sinks, c.window_size, c.window.stride()[:2], c.window.dtype) for c in rings}) != 1:
-            return False
-    return True
 
 
 def _part_args(cache, placeholder: torch.Tensor):
@@ -898,7 +838,7 @@ def _launch_config(kind: str, query, k_cache, v_cache, config: DecodeConfig | No
         from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_config
         return pipelined_config(k_cache.shape[2], k_cache.fmt.name == "int4")
     if kind == "fast":
-        return _fast_config(query.shape[2], query.dtype, k_cache, v_cache)
+        return fast_config(query.shape[2], query.dtype, k_cache, v_cache)
     return default_decode_config(query.shape[2], query.dtype)
 
 
@@ -1005,7 +945,7 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
         _launch_pipelined_split(query, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits,
                                 (partial_out, partial_lse), config, key, ring=(sinks, window))
         ring_only = (partial_out, partial_lse, num_splits, config)
-        fast, config = True, _fast_config(head_dim, query.dtype, k_cache, v_cache)
+        fast, config = True, fast_config(head_dim, query.dtype, k_cache, v_cache)
         use_asm = _use_asm(query, asm)
     interpret = interpreting()
     pdl = pdl_enabled(query.device)
@@ -1016,8 +956,8 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
     dim_pad = max(16, next_power_of_2(head_dim))
     precision = "ieee" if (query.dtype == torch.float32 or interpret) else "tf32"
     if fast:
-        k_seg, v_seg = _segments(k_cache, head_dim), _segments(v_cache, head_dim)
-        query_dtype = _TL_DTYPES[query.dtype]
+        k_seg, v_seg = fast_segments(k_cache, head_dim), fast_segments(v_cache, head_dim)
+        query_dtype = TL_DTYPES[query.dtype]
         wide = tl.float32 if interpret or query.dtype == torch.float32 else tl.float16
 
         def dot_dtype(part_layout):

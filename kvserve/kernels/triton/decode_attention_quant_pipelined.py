@@ -64,6 +64,7 @@ from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capab
 from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_HIGH_OFFSET,
                                                     INT4_LOW_OFFSET, INT4_TO_OFFSET_F16_PTX, INT8_TO_F16_PTX)
 from kvserve.kernels.triton.decode_attention import DecodeConfig
+from kvserve.kernels.triton.decode_attention_quant_config import fast_kernel_supported
 from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
 
 # The GQA group is the N side (8 columns) of mma.m16n8k16: every R1-Distill model's group fits.
@@ -680,7 +681,6 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
             return False
     if any(part.window is not None for part in parts):
         # The ring's positions (sinks, window) go to the fast Triton kernel (RING_ONLY).
-        from kvserve.kernels.triton.decode_attention_quant import fast_kernel_supported
         if not fast_kernel_supported(query, k_cache, v_cache):
             return False
     return capability >= (8, 0)
