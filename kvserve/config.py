@@ -216,6 +216,17 @@ class EngineConfig:
         if cache.kv_quant_group_size is not None and cache.kv_quant_group_size < 1:
             raise ValueError(f"kv_quant_group_size must be >= 1, got {cache.kv_quant_group_size}")
 
+    def resolved_for(self, device_type: str) -> "EngineConfig":
+        """A copy with the defaults that depend on the device filled in (the options left None for
+        that reason). The engine runs on this copy; the caller's config is left as given."""
+        sched = self.scheduler_config
+        if sched.max_num_batched_tokens is None:
+            # A GPU step is short: bigger prefill chunks keep its GEMMs efficient (vLLM's offline
+            # default is in this range too). A CPU step of 2048 tokens already takes seconds.
+            sched = dataclasses.replace(sched, max_num_batched_tokens=8192 if device_type == "cuda" else 2048)
+        return dataclasses.replace(self, model_config=dataclasses.replace(self.model_config),
+                                   cache_config=dataclasses.replace(self.cache_config), scheduler_config=sched)
+
     def to_options(self) -> dict[str, Any]:
         return {k: v for part in self._PARTS for k, v in dataclasses.asdict(getattr(self, part)).items()}
 

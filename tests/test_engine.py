@@ -34,6 +34,16 @@ def test_unknown_option_is_rejected():
         EngineConfig.from_options(block_size=0)
 
 
+def test_device_dependent_defaults_are_resolved_by_the_config_on_a_copy():
+    config = EngineConfig.from_options(block_size=8)
+    assert config.resolved_for("cuda").scheduler_config.max_num_batched_tokens == 8192
+    assert config.resolved_for("cpu").scheduler_config.max_num_batched_tokens == 2048
+    assert config.scheduler_config.max_num_batched_tokens is None          # the caller's config as given
+    assert config.resolved_for("cpu").cache_config.block_size == 8
+    given = EngineConfig.from_options(max_num_batched_tokens=300)
+    assert given.resolved_for("cuda").scheduler_config.max_num_batched_tokens == 300
+
+
 def test_kv_bytes_per_token_and_capacity(engine):
     hf = engine.model.config
     head_dim = hf.hidden_size // hf.num_attention_heads

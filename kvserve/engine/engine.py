@@ -68,13 +68,9 @@ def freeze_startup_objects() -> None:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.device = resolve_device(config.model_config.device)
+        self.config = config = config.resolved_for(self.device.type)
         model_cfg, cache_cfg = config.model_config, config.cache_config
-        self.device = resolve_device(model_cfg.device)
-        if config.scheduler_config.max_num_batched_tokens is None:
-            # A GPU step is short: bigger prefill chunks keep its GEMMs efficient (vLLM's offline
-            # default is in this range too). A CPU step of 2048 tokens already takes seconds.
-            config.scheduler_config.max_num_batched_tokens = 8192 if self.device.type == "cuda" else 2048
         self.source = resolve_model(model_cfg.model, model_cfg.load_format)
         self.dtype = resolve_dtype(model_cfg.dtype, self.source.hf_config, self.device)
         self.tokenizer = self.source.load_tokenizer()
