@@ -44,6 +44,26 @@ def test_device_dependent_defaults_are_resolved_by_the_config_on_a_copy():
     assert given.resolved_for("cuda").scheduler_config.max_num_batched_tokens == 300
 
 
+def test_make_stats_reports_what_the_owners_hold(engine):
+    engine.add_request("s1", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("s2", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+    before = engine.make_stats()
+    assert (before.scheduler.num_waiting, before.scheduler.num_running) == (2, 0)
+    assert before.scheduler.latency is None                     # no latency targets on this engine
+    engine.step()
+    during = engine.make_stats()
+    assert (during.scheduler.num_waiting, during.scheduler.num_running) == (0, 2)
+    assert during.kv_cache.num_free_blocks == engine.kv_manager.num_blocks - 2
+    assert during.kv_cache.capacity_tokens == engine.kv_manager.capacity_tokens
+    assert during.prompt_tokens_total == before.prompt_tokens_total
+    _drain(engine)
+    after = engine.make_stats()
+    assert after.kv_cache.num_free_blocks == after.kv_cache.num_blocks
+    assert after.requests_finished_total["length"] >= 2
+    before.requests_finished_total["length"] = -1                # a copy: the engine's totals are its own
+    assert engine.stats.requests_finished_total["length"] >= 2
+
+
 def test_kv_bytes_per_token_and_capacity(engine):
     hf = engine.model.config
     head_dim = hf.hidden_size // hf.num_attention_heads

@@ -27,6 +27,7 @@ LAYERS = (
     "kvserve.attention",
     "kvserve.kernels",
     "kvserve.sampling_params",
+    "kvserve.stats",
     "kvserve.config",
     "kvserve.envs",
 )

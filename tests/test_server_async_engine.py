@@ -17,6 +17,7 @@ import pytest
 from kvserve.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, FinishedRequest
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.stats import EngineStats, KVCacheStats, SchedulerStats
 
 
 class FakeEngine:
@@ -31,6 +32,12 @@ class FakeEngine:
         self.kv_manager = SimpleNamespace(num_blocks=100, num_free_blocks=100, usage=0.0, capacity_tokens=1600)
         self.stats = SimpleNamespace(prompt_tokens_total=0, generation_tokens_total=0, requests_finished_total={})
         self.scheduler = SimpleNamespace(num_preemptions_total=0, slo=None)
+
+    def make_stats(self) -> EngineStats:
+        kv, stats = self.kv_manager, self.stats
+        return EngineStats(SchedulerStats(len(self.requests), 0, 0),
+                           KVCacheStats(kv.num_blocks, kv.num_free_blocks, kv.usage, kv.capacity_tokens),
+                           stats.prompt_tokens_total, stats.generation_tokens_total, dict(stats.requests_finished_total))
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
-from kvserve.sched.step_cost import StepCoefficients
+from kvserve.stats import EngineStats, StepCoefficients
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -72,6 +72,26 @@ class EngineSnapshot:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    @classmethod
+    def from_stats(cls, stats: EngineStats, num_steps: int, num_step_errors: int,
+                   rejected_by_gate: int) -> "EngineSnapshot":
+        """The snapshot of an engine's stats, with this thread's own counters (steps, step errors,
+        requests the arrival gate shed) added."""
+        sched, kv = stats.scheduler, stats.kv_cache
+        latency = {}
+        if sched.latency is not None:
+            lt = sched.latency
+            latency = dict(slo_max_running=lt.max_running, slo_step_time_s=lt.step_time_s,
+                           slo_rejected_at_arrival=lt.rejected_at_arrival + rejected_by_gate,
+                           slo_rejected_in_queue=lt.rejected_in_queue, slo_step_cost=lt.step_cost,
+                           slo_step_token_budget=lt.step_token_budget)
+        return cls(num_running=sched.num_running, num_waiting=sched.num_waiting, num_blocks=kv.num_blocks,
+                   num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, capacity_tokens=kv.capacity_tokens,
+                   prompt_tokens_total=stats.prompt_tokens_total, generation_tokens_total=stats.generation_tokens_total,
+                   num_preemptions_total=sched.num_preemptions_total, num_steps_total=num_steps,
+                   num_step_errors_total=num_step_errors, requests_finished_total=dict(stats.requests_finished_total),
+                   **latency)
 
 
 @dataclass
@@ -466,28 +486,10 @@ class AsyncEngine:
     def _publish_snapshot(self) -> None:
         engine = self.engine
         try:
-            kv = engine.kv_manager
-            stats = engine.stats
-            self._snapshot = EngineSnapshot(
-                num_running=engine.num_running, num_waiting=engine.num_waiting,
-                num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_usage=float(kv.usage),
-                capacity_tokens=kv.capacity_tokens, prompt_tokens_total=stats.prompt_tokens_total,
-                generation_tokens_total=stats.generation_tokens_total,
-                num_preemptions_total=engine.scheduler.num_preemptions_total,
-                num_steps_total=self._num_steps, num_step_errors_total=self._num_step_errors,
-                requests_finished_total=dict(stats.requests_finished_total),
-                **_slo_fields(engine.scheduler, self.arrival_gate))
+            stats: EngineStats = engine.make_stats()
+            self._snapshot = EngineSnapshot.from_stats(stats, self._num_steps, self._num_step_errors,
+                                                       self.arrival_gate.num_rejected if self.arrival_gate else 0)
             if self.arrival_gate is not None:
                 self.arrival_gate.publish(engine.scheduler.make_load())
         except Exception:
             logger.exception("could not read engine state for the metrics snapshot")
-
-
-def _slo_fields(scheduler: Any, gate: Optional[ArrivalGate]) -> dict[str, Any]:
-    slo: Optional[SLOController] = scheduler.slo
-    if slo is None:
-        return {}
-    at_arrival = slo.num_rejected_at_arrival + (gate.num_rejected if gate is not None else 0)
-    return {"slo_max_running": slo.max_running, "slo_step_time_s": slo.step_time_s,
-            "slo_rejected_at_arrival": at_arrival, "slo_rejected_in_queue": slo.num_rejected_in_queue,
-            "slo_step_cost": slo.step_cost.coefficients, "slo_step_token_budget": scheduler.step_token_budget()}

@@ -23,6 +23,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
+from kvserve.stats import EngineStats
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
@@ -39,7 +40,8 @@ _DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass
-class EngineStats:
+class EngineCounters:
+    """Totals the engine keeps itself (make_stats copies them into EngineStats)."""
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     requests_finished_total: dict[str, int] = field(default_factory=dict)
@@ -111,7 +113,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len)
         if self.scheduler.slo is not None:
             self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
@@ -217,7 +219,6 @@ class Engine:
         if cuda:
             torch.cuda.synchronize(self.device)
         samples = measure_step_shapes(forward, budget, sched.max_num_seqs)
-        del probe
         logger.info("step-cost calibration: %s", ", ".join(f"{s.num_tokens} tokens x {s.num_sequences} seqs "
                                                           f"{seconds * 1e3:.1f} ms" for s, seconds in samples))
         return samples
@@ -481,6 +482,12 @@ class Engine:
         return self.prefix.unpin(pin_id, tenant)
 
     # --- introspection --------------------------------------------------------------------------
+    def make_stats(self) -> EngineStats:
+        """A frozen copy of what the engine's parts report (kvserve/stats.py): what metrics read."""
+        counters = self.stats
+        return EngineStats(self.scheduler.make_stats(), self.kv_manager.make_stats(), counters.prompt_tokens_total,
+                           counters.generation_tokens_total, dict(counters.requests_finished_total))
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

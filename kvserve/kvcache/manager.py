@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.prefix_cache import (HashedSequence, Pin, PrefixCache, chain_hashes, hash_block,
                                           namespace_root)
+from kvserve.stats import KVCacheStats
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -104,6 +105,9 @@ class KVCacheManager:
         bs = self.block_size
         return bs * self.prefix_cache.peek(namespace_root(namespace), namespace, token_ids, bs,
                                            (len(token_ids) - 1) // bs)
+
+    def make_stats(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.num_free_blocks, float(self.usage), self.capacity_tokens)
 
     def find_cached_prefix(self, seq: HashedSequence) -> PrefixHit:
         """Longest cached prefix of the sequence's tokens, in whole blocks, leaving at least the

@@ -31,6 +31,7 @@ from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
+from kvserve.stats import SchedulerStats
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
 CACHE_AWARE_WINDOW = 64
@@ -352,6 +353,10 @@ class Scheduler:
             return False
         self.finish(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def make_stats(self) -> SchedulerStats:
+        latency = self.slo.make_stats(self.step_token_budget()) if self.slo is not None else None
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions_total, latency)
 
     @property
     def is_stalled(self) -> bool:

@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from kvserve.sched.step_cost import StepCoefficients, StepCostModel, StepShape
+from kvserve.sched.step_cost import StepCostModel, StepShape
+from kvserve.stats import LatencyTargetStats, StepCoefficients
 
 # The step time is held under this fraction of the TPOT target: the host's per-token work
 # (detokenizing, streaming) adds to the time a client sees between tokens.
@@ -311,6 +312,10 @@ class SLOController:
         return (f"server overloaded: the first token would come after ~{waited_s + delay:.1f} s "
                 f"({ahead} prompt tokens queued ahead, {len(load.running)} requests running), over the "
                 f"{self.targets.ttft_s:g} s TTFT target; retry later")
+
+    def make_stats(self, step_token_budget: int) -> LatencyTargetStats:
+        return LatencyTargetStats(self.max_running, self.step_time_s, self.num_rejected_at_arrival,
+                                  self.num_rejected_in_queue, self.step_cost.coefficients, step_token_budget)
 
     def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int, token_budget: int) -> float:
         """The least time a prompt needs once scheduled: its chunks beside the running decodes."""

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from kvserve.stats import StepCoefficients
+
 # Weight of a step after each newer one: ~100 steps of memory, a few seconds of a busy GPU engine.
 FORGETTING = 0.99
 # A calibration sample counts as this many steps: the first few real steps (often odd ones: a warm-up
@@ -47,16 +49,6 @@ class StepShape:
 
     def features(self) -> tuple[float, float, float]:
         return (1.0, float(self.num_tokens), float(self.num_sequences))
-
-
-@dataclass(frozen=True)
-class StepCoefficients:
-    fixed_s: float
-    per_token_s: float
-    per_sequence_s: float
-
-    def seconds(self, num_tokens: int, num_sequences: int) -> float:
-        return self.fixed_s + self.per_token_s * num_tokens + self.per_sequence_s * num_sequences
 
 
 class StepCostModel:
