@@ -34,7 +34,3 @@ class AttentionMetadata:
     kv_window_slots: torch.Tensor | None = None
     kv_rows: torch.Tensor | None = None
     decode_kv_rows: torch.Tensor | None = None
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(chunk.query_len for chunk in self.prefills)

@@ -119,7 +119,6 @@ class _Record:
     tenant: Optional[str]
     priority: int
     last_output: Optional[RequestOutput] = None
-    in_engine: bool = False
 
 
 class RequestStream:
@@ -137,10 +136,6 @@ class RequestStream:
         self._ready: dict[str, RequestOutput] = {}
         self._pending: set[str] = set()
         self._finished: set[str] = set()
-
-    @property
-    def request_ids(self) -> set[str]:
-        return self._pending | self._finished
 
     @property
     def finished(self) -> bool:
@@ -259,9 +254,6 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._records)
 
     async def shutdown(self, drain_timeout: float = 30.0, join_timeout: float = 10.0) -> None:
         """Refuses new requests, waits up to `drain_timeout` s for in-flight ones, then aborts the
@@ -382,7 +374,6 @@ class AsyncEngine:
             finally:
                 if self.arrival_gate is not None:
                     self.arrival_gate.taken(record.request_id, self.engine.scheduler.make_load())
-            record.in_engine = True
             self._records[record.request_id] = record
             done.set_result(record.request_id)
         elif kind == "abort":

@@ -322,9 +322,6 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._groups)
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

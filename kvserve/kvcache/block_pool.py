@@ -35,10 +35,6 @@ class BlockPool:
         return len(self._empty) + (self.cache.num_evictable if self.cache is not None else 0)
 
     @property
-    def num_empty_blocks(self) -> int:
-        return len(self._empty)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 

@@ -112,10 +112,6 @@ class Request:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
