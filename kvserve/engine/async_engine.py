@@ -202,10 +202,13 @@ class ArrivalGate:
                 raise RequestOverloaded(reason)
             self._pending[request_id] = work
 
-    def taken(self, request_id: str, load: EngineLoad) -> None:
-        """Engine thread: the request is in the engine (or was refused there); `load` includes it."""
+    def taken(self, request_ids: list[str], load: EngineLoad) -> None:
+        """Engine thread, once per batch of commands: these requests are in the engine (or were
+        refused there) and `load` includes them. Until then they count as pending, so none is ever
+        missing from what arrivals are judged against."""
         with self._lock:
-            self._pending.pop(request_id, None)
+            for request_id in request_ids:
+                self._pending.pop(request_id, None)
             self._load = load
 
     def publish(self, load: EngineLoad) -> None:
@@ -343,6 +346,10 @@ class AsyncEngine:
                     commands, self._commands = self._commands, []
                 for command in commands:
                     self._apply(command)
+                if self.arrival_gate is not None:
+                    added = [command[1].request_id for command in commands if command[0] == "add"]
+                    if added:
+                        self.arrival_gate.taken(added, engine.scheduler.make_load())
                 if self._stop_requested:
                     break
                 if engine.has_unfinished_requests():
@@ -371,9 +378,6 @@ class AsyncEngine:
             except Exception as exc:
                 done.set_exception(exc)
                 return
-            finally:
-                if self.arrival_gate is not None:
-                    self.arrival_gate.taken(record.request_id, self.engine.scheduler.make_load())
             self._records[record.request_id] = record
             done.set_result(record.request_id)
         elif kind == "abort":

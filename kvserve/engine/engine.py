@@ -273,8 +273,7 @@ class Engine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
-        self.scheduler.check_overload(len(prompt_ids), max(max_tokens, 1), params.n, arrival_time,
-                                      self.kv_manager.peek_cached_tokens(prompt_ids, namespace))
+        self.scheduler.check_overload(prompt_ids, max(max_tokens, 1), params.n, arrival_time, namespace)
         if cache_opts.pin_ttl is not None:
             try:
                 self.prefix.pin(prompt_ids[:cache_opts.pin_prefix_tokens], cache_opts.pin_ttl, cache_opts.tenant,

@@ -82,14 +82,15 @@ class Scheduler:
             raise RequestRejected(
                 f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
 
-    def check_overload(self, num_prompt_tokens: int, max_tokens: int, num_requests: int = 1,
-                       arrival_time: Optional[float] = None, num_cached_tokens: int = 0) -> None:
-        """With TTFT shedding: raises RequestOverloaded if these requests (n samples of one prompt, of
-        which num_cached_tokens are in the prefix cache) could not get their first token within the
-        target, queued behind what the engine holds."""
+    def check_overload(self, prompt_token_ids: list[int], max_tokens: int, num_requests: int = 1,
+                       arrival_time: Optional[float] = None, namespace: str = "") -> None:
+        """With TTFT shedding: raises RequestOverloaded if these requests (n samples of one prompt, in
+        the prefix-cache namespace given) could not get their first token within the target, queued
+        behind what the engine holds."""
         if self.slo is None or self.slo.shed_deadline_s() is None:
             return
-        new = [PendingWork(max(1, num_prompt_tokens - num_cached_tokens), max_tokens)] * num_requests
+        uncached = len(prompt_token_ids) - self.kv_manager.peek_cached_tokens(prompt_token_ids, namespace)
+        new = [PendingWork(max(1, uncached), max_tokens)] * num_requests
         waited = 0.0 if arrival_time is None else max(0.0, time.monotonic() - arrival_time)
         reason = self.slo.reject_at_arrival(self.make_load(), new, waited)
         if reason is not None:

@@ -89,16 +89,6 @@ class StepCostModel:
         coefficients = self.coefficients
         return None if coefficients is None else coefficients.seconds(num_tokens, num_sequences)
 
-    def tokens_within(self, seconds: float, num_sequences: int) -> Optional[int]:
-        """Most tokens a step of `num_sequences` requests may hold to take at most `seconds`."""
-        coefficients = self.coefficients
-        if coefficients is None:
-            return None
-        room = seconds - coefficients.fixed_s - coefficients.per_sequence_s * num_sequences
-        if coefficients.per_token_s <= 0:
-            return None if room >= 0 else 0
-        return max(0, math.floor(room / coefficients.per_token_s))
-
     # --- least squares over the non-negative coefficients ------------------------------------------
     def _fit(self) -> tuple[float, float, float]:
         """The best non-negative fit: the unconstrained one if it is, else the best over the subsets
