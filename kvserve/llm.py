@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence, Union
 
+from kvserve.engine.chat_template import ChatTemplate
 from kvserve.engine.engine import Engine, PromptInput
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -15,6 +16,7 @@ Message = dict[str, Any]
 class LLM:
     def __init__(self, model: Optional[str] = None, **engine_options: Any) -> None:
         self.engine = Engine.from_options(model=model, **engine_options)
+        self.chat_template = ChatTemplate(self.engine.tokenizer)     # the one the server renders with too
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -34,22 +36,23 @@ class LLM:
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None, *, continue_final_message: bool = False,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template_kwargs)}
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, chat_template_kwargs,
+                                                                 continue_final_message=continue_final_message,
+                                                                 tools=tools)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Sequence[Message], add_generation_prompt: bool = True,
-                            chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        encoded = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                tokenize=True, **(chat_template_kwargs or {}))
-        if isinstance(encoded, dict) or hasattr(encoded, "keys"):
-            encoded = encoded["input_ids"]
-        return list(encoded)
+                            chat_template_kwargs: Optional[dict[str, Any]] = None, *,
+                            continue_final_message: bool = False,
+                            tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+        """The conversation's prompt token ids, rendered as the server's chat endpoint renders them
+        (kvserve/engine/chat_template.py); raises ValueError (NoChatTemplateError) without a template."""
+        return self.chat_template.encode(conversation, add_generation_prompt, continue_final_message, tools,
+                                         chat_template_kwargs)
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

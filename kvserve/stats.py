@@ -1,9 +1,10 @@
 """Stats as data: what the engine's parts report about themselves, as frozen dataclasses.
 
-Each owner builds its own (`KVCacheManager.make_stats`, `SLOController.make_stats`,
-`Scheduler.make_stats`, `Engine.make_stats`) on the engine thread; readers on other threads (the
-server's metrics, a dashboard, a trace) read only these, never the owners. A leaf module, so that
-every layer can return them; adding a metric is adding a field here and a line in its owner.
+Each owner builds its own (`KVCacheManager.make_stats`, `PrefixCache.make_stats`,
+`SLOController.make_stats`, `Scheduler.make_stats`, `Engine.make_stats`) on the engine thread;
+readers on other threads (the server's metrics, a dashboard, a trace) read only these, never the
+owners. A leaf module, so that every layer can return them; adding a metric is adding a field here
+and a line in its owner.
 """
 
 from __future__ import annotations
@@ -31,6 +32,59 @@ class KVCacheStats:
 
 
 @dataclass(frozen=True)
+class AdaptivePolicyStats:
+    """The adaptive eviction policy's state (kvcache/policies/adaptive.py)."""
+    active: str                                       # the arm in force
+    num_switches: int
+    shadow_hit_rates: dict[str, float]                # discounted, per arm label
+    recent_decisions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache (kvcache/prefix_cache.py); policy "off" when prefix caching is off."""
+    policy: str                                       # configured policy name
+    active_policy: str                                # the ranking in force (adaptive: the chosen arm)
+    lookups: int = 0
+    query_tokens: int = 0                             # prompt tokens looked up
+    hit_tokens: int = 0                               # of those, served from the cache
+    cached_blocks: int = 0                            # blocks addressable by prefix hash
+    evictable_blocks: int = 0                         # cached blocks no request holds
+    pinned_blocks: int = 0                            # cached blocks under an active pin
+    num_pins: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)     # by the policy that chose them
+    adaptive: Optional[AdaptivePolicyStats] = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class ExpertLoadStats:
+    """Token-expert assignments per MoE layer since the last reset (each token counts once for each
+    of its top-k experts; model/moe.py)."""
+    layers: tuple[int, ...]                           # decoder layer index of each MoE layer
+    tokens_per_expert: tuple[tuple[int, ...], ...]    # per MoE layer, per expert
+    top_k: int = 1
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.tokens_per_expert[0]) if self.tokens_per_expert else 0
+
+    def as_dict(self) -> dict:
+        return {"layers": list(self.layers), "top_k": self.top_k,
+                "tokens_per_expert": [list(c) for c in self.tokens_per_expert],
+                "imbalance_max_over_mean": list(self.imbalance())}
+
+    def imbalance(self) -> tuple[float, ...]:
+        """Per layer: the busiest expert's load over the mean load (1.0 = perfectly even; 0.0 before
+        any token). Under expert parallelism the busiest expert sets the step time."""
+        return tuple(round(max(counts) * len(counts) / sum(counts), 4) if sum(counts) else 0.0
+                     for counts in self.tokens_per_expert)
+
+
+@dataclass(frozen=True)
 class LatencyTargetStats:
     """The latency controls (--slo-ttft / --slo-tpot; sched/slo.py)."""
     max_running: int                                  # the running limit the TPOT target sets
@@ -39,6 +93,8 @@ class LatencyTargetStats:
     rejected_in_queue: int                            # shed at their deadline in the queue
     step_cost: Optional[StepCoefficients]             # the step-cost model (None before any data)
     step_token_budget: int                            # tokens the next step may hold
+    ttft_target_s: Optional[float] = None             # the targets themselves (None: not set)
+    tpot_target_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -56,3 +112,5 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     requests_finished_total: dict[str, int] = field(default_factory=dict)   # by finish reason
+    prefix_cache: Optional[PrefixCacheStats] = None   # None: an engine without a prefix-cache control
+    expert_load: Optional[ExpertLoadStats] = None     # None: a model without MoE layers

@@ -109,7 +109,7 @@ def prompt_logprob_errors(llm, hf_model, prompt: list[int]) -> "torch.Tensor":
     return (ours - expected).abs()
 
 
-# Batch invariance (tests/test_model_vs_transformers.py, tests/test_deepseek.py): each case's engine
+# Batch invariance (tests/models/test_model_vs_transformers.py, tests/models/test_deepseek.py): each case's engine
 # options; a prompt's greedy tokens must equal those it gets alone.
 INVARIANCE_CASES = {
     "chunked-prefill": dict(max_num_batched_tokens=5),                  # chunks over a cached prefix

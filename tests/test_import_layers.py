@@ -1,7 +1,6 @@
 """Imports point down the layers written in docs/architecture.md, and no modules import each other in
 a loop. The imports are read with `ast` (function-level ones included: a lazy import is still a
-dependency). The two upward imports the tree still has are listed by name; each is a debt of issue 24
-(the restructure), and a new one fails here, as does any cycle."""
+dependency). An upward import or a cycle fails here."""
 
 from __future__ import annotations
 
@@ -26,19 +25,15 @@ LAYERS = (
     "kvserve.kvcache",
     "kvserve.attention",
     "kvserve.kernels",
+    "kvserve.kvstore",
     "kvserve.sampling_params",
     "kvserve.stats",
     "kvserve.config",
     "kvserve.envs",
 )
 
-# Upward imports still to be removed (issue 24), as (importing module, imported module).
-KNOWN_UPWARD = {
-    # The CPU's whole-model native forward is disguised as an attention backend.
-    ("kvserve.attention.backend", "kvserve.model.cpu_native"),
-    # The torch references of the quantized formats live with the formats, above the kernels.
-    ("kvserve.kernels.quant_reference", "kvserve.kvcache.quant"),
-}
+# Upward imports still to be removed, as (importing module, imported module): none left.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 # Import cycles still to be broken (issue 24), each as the set of its modules.
 KNOWN_CYCLES: list[set[str]] = []
 

@@ -7,28 +7,28 @@ same `forward`.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from kvserve.attention.interface import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels import quant_reference, reference
 from kvserve.kernels.triton import references
-
-logger = logging.getLogger(__name__)
+from kvserve.kvstore import KVPart, is_quantized
 
 
 class TorchAttentionBackend:
     name = "torch"
+    stores_kv_with_rotary = False
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                k_cache: KVPart, v_cache: KVPart, meta: AttentionMetadata,
+                scale: float, kv_stored: bool = False) -> torch.Tensor:
         """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]."""
-        if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        if is_quantized(k_cache) or is_quantized(v_cache):
             return forward_quantized(query, key, value, k_cache, v_cache, meta, scale)
-        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = meta.num_decode_tokens
         if num_decodes and _native_cpu_decode(query, k_cache):
@@ -60,7 +60,7 @@ def _native_cpu_decode(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def forward_quantized(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache, v_cache,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The reference over a layer whose K and/or V part is quantized (kvserve.kvcache.quant).
+    """The reference over a layer whose K and/or V part is quantized (kvserve.kvstore).
 
     Plain prefills attend over the chunk's own full-precision K/V, as the full-precision path does:
     quantization error enters through what later steps read back from the cache."""
@@ -90,21 +90,11 @@ def triton_available() -> bool:
     return True
 
 
-def get_attention_backend(device: torch.device, name: str = "auto", model=None, dtype: torch.dtype | None = None,
-                          kv_caches=None):
-    """auto: the Triton backend on CUDA when triton imports; on CPU the native whole-model path
-    (kvserve/model/cpu_native.py) when the model, dtype and KV format allow it; else the torch
-    reference. `native` insists on the native path and says why it cannot run."""
-    if device.type == "cpu" and name in ("auto", "native") and model is not None:
-        from kvserve.model import cpu_native
-        reason = cpu_native.unsupported_reason(model, dtype, kv_caches or [])
-        if reason is None:
-            return cpu_native.NativeCpuBackend()
-        if name == "native":
-            raise ValueError(f"--attention-backend native cannot run here: {reason}")
-        logger.info("CPU forward through torch: %s", reason)
-    if name == "native":
-        raise ValueError("--attention-backend native is the CPU path; this device is " + device.type)
+def get_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """auto: the Triton backend on CUDA when triton imports, else the torch reference. (The CPU's
+    native whole-model forward is not an attention backend: kvserve/worker/forward_path.py.)"""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
     if name == "torch" or (name == "auto" and (device.type != "cuda" or not triton_available())):
         return TorchAttentionBackend()
     if device.type != "cuda":

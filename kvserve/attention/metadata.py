@@ -28,7 +28,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None    # [num_decodes] int32
     decode_context_mask: torch.Tensor | None = None    # [num_decodes, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # Quantized caches with a full-precision window or error feedback (kvserve.kvcache.quant): each
+    # Quantized caches with a full-precision window or error feedback (kvserve.kvstore): each
     # token's ring rows [num_tokens, 2] (window row, sink row; a trash row where the ring drops it),
     # its sequence's state row [num_tokens], and each decode's state row [num_decodes].
     kv_window_slots: torch.Tensor | None = None

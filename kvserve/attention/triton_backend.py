@@ -10,7 +10,7 @@ Plain prefills (no cached prefix) go through the same Triton kernel by default: 
 the cache once store_kv has run, and one launch for every chunk of a step beats a Python loop of
 SDPA calls when a step holds many short prompts. `plain_prefill="sdpa"` sends them to SDPA
 (flash) one chunk at a time instead, for long prompts where flash's tuned kernel may win;
-benchmarks/attention_bench.py measures both.
+benchmarks/kernels/attention_bench.py measures both.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import quant_reference, reference
+from kvserve.kvstore import KVPart, is_quantized
 
 
 class TritonAttentionBackend:
@@ -41,11 +42,11 @@ class TritonAttentionBackend:
         self._sdpa_chunks: list = []
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                k_cache: KVPart, v_cache: KVPart, meta: AttentionMetadata,
                 scale: float, kv_stored: bool = False) -> torch.Tensor:
         """query [T, heads, D], key/value [T, kv_heads, D] -> [T, heads, D]. kv_stored: the model
         already wrote key/value into the (full-precision) caches (stores_kv_with_rotary)."""
-        if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        if is_quantized(k_cache) or is_quantized(v_cache):
             return self._forward_quantized(query, key, value, k_cache, v_cache, meta, scale)
         kernels = self._kernels
         if not kv_stored:
@@ -67,7 +68,7 @@ class TritonAttentionBackend:
 
     def _forward_quantized(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata,
                            scale: float) -> torch.Tensor:
-        """A layer with a quantized part (kvserve.kvcache.quant): the store kernel quantizes on
+        """A layer with a quantized part (kvserve.kvstore): the store kernel quantizes on
         write, the decode kernel dequantizes K/V tiles as it reads them. Prefill chunks over a
         cached prefix go through the torch reference (gather + dequantize + SDPA); plain prefills
         attend over their own full-precision K/V, as in the full-precision path."""
@@ -90,7 +91,7 @@ class TritonAttentionBackend:
         return output
 
     def _store_part(self, cache, x: torch.Tensor, meta: AttentionMetadata) -> None:
-        if isinstance(cache, torch.Tensor):
+        if not is_quantized(cache):
             self._kernels.store_kv(x, x, cache, cache, meta.slot_mapping)   # one part: K and V slots alike
             return
         from kvserve.kernels.triton import kv_store_quant

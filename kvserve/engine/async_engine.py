@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
-from kvserve.stats import EngineStats, StepCoefficients
+from kvserve.stats import EngineStats, ExpertLoadStats, PrefixCacheStats, StepCoefficients
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -68,6 +68,9 @@ class EngineSnapshot:
     # of the next step they give: what the shedding predictions and the step length rest on.
     slo_step_cost: Optional[StepCoefficients] = None
     slo_step_token_budget: Optional[int] = None
+    # The prefix cache's and the MoE expert load's stats as the engine made them (None: not there).
+    prefix_cache: Optional[PrefixCacheStats] = None
+    expert_load: Optional[ExpertLoadStats] = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -91,7 +94,7 @@ class EngineSnapshot:
                    prompt_tokens_total=stats.prompt_tokens_total, generation_tokens_total=stats.generation_tokens_total,
                    num_preemptions_total=sched.num_preemptions_total, num_steps_total=num_steps,
                    num_step_errors_total=num_step_errors, requests_finished_total=dict(stats.requests_finished_total),
-                   **latency)
+                   prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, **latency)
 
 
 @dataclass

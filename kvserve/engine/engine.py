@@ -6,6 +6,7 @@ tested without a server. Nothing here imports the server.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -23,20 +24,20 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
-from kvserve.stats import EngineStats
+from kvserve.stats import EngineStats, ExpertLoadStats
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
-from kvserve.model.builder import build_model, resolve_device, resolve_dtype
-from kvserve.model.layers import configure_gemv
+from kvserve.model.builder import build_model, kernel_switches, resolve_device, resolve_dtype
 from kvserve.model.loader import resolve_model
-from kvserve.kvcache.quant import spec_from_config
-from kvserve.worker.runner import InflightStep, ModelRunner, StepResult, kv_bytes_per_token
+from kvserve.model.interfaces import MoEModel
+from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cache, spec_from_config
+from kvserve.worker.memory_profile import cuda_kv_budget
+from kvserve.worker.runner import InflightStep, ModelRunner, StepResult
 
 logger = logging.getLogger("kvserve")
 
 PromptInput = Union[str, list[int], dict[str, Any]]
-_DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -61,7 +62,7 @@ def freeze_startup_objects() -> None:
     """For a process that keeps its engine for its lifetime (the CLI commands, the server): collect,
     then move every object alive now (weights, modules, tokenizer) out of the garbage collector's
     generations, so the full collections that steps' short-lived objects trigger no longer traverse
-    them. They took ~4% of a batch-64 decode step of the default model on CPU (perf). Not done by the
+    them (measured on CPU: docs/cpu_performance.md#history). Not done by the
     Engine itself: a process that builds many engines (tests, notebooks) would keep any reference
     cycle among frozen objects alive."""
     gc.collect()
@@ -77,16 +78,22 @@ class Engine:
         self.dtype = resolve_dtype(model_cfg.dtype, self.source.hf_config, self.device)
         self.tokenizer = self.source.load_tokenizer()
         started = time.perf_counter()
-        self.model = build_model(self.source, self.dtype, self.device, model_cfg.load_format, model_cfg.seed)
-        if hasattr(self.model, "set_moe_implementation"):      # MoE models (kvserve/model/moe.py)
+        self.model = build_model(self.source, self.dtype, self.device, model_cfg.load_format, model_cfg.seed,
+                                 kernel_switches(model_cfg))
+        if isinstance(self.model, MoEModel):
             self.model.set_moe_implementation(model_cfg.moe_implementation)
         logger.info("loaded %s (%s) on %s as %s in %.1fs", self.source.path, self.source.architecture,
                     self.device, self.dtype, time.perf_counter() - started)
 
-        # The KV format (kvcache/quant.py) sets the true bytes per token, so it sizes the pool.
+        # The KV format (kvserve/kvstore/) sets the true bytes per token, so it sizes the pool.
         self.kv_spec = spec_from_config(self.model, self.dtype, cache_cfg)
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model, self.dtype, self.kv_spec)
-        num_blocks = self._num_kv_blocks()
+        self.kv_bytes_per_token = self.kv_spec.bytes_per_token
+        sizing = self._size_kv_cache()
+        if sizing.max_num_seqs != config.scheduler_config.max_num_seqs:
+            # The window rows of fewer requests fit: the engine's copy of the config says so.
+            self.config = config = dataclasses.replace(
+                config, scheduler_config=dataclasses.replace(config.scheduler_config, max_num_seqs=sizing.max_num_seqs))
+        num_blocks = sizing.num_blocks
         block_size = cache_cfg.block_size
         self.kv_manager = KVCacheManager(num_blocks, block_size, self._build_prefix_cache(num_blocks))
         # Tenant namespaces, pins and the published prefix-cache stats (docs/prefix_caching.md).
@@ -100,7 +107,6 @@ class Engine:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.eos_token_ids = self._eos_token_ids()
-        configure_gemv(model_cfg.gemv_max_tokens)      # before graph capture: the graphs record the choice
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)
@@ -128,77 +134,38 @@ class Engine:
     # --- MoE expert load (tokens per expert per layer; kvserve/model/moe.py) ----------------------
     def expert_load(self):
         """ExpertLoadStats since the last reset, or None for a model without MoE layers."""
-        collect = getattr(self.model, "expert_load", None)
-        return collect() if collect is not None else None
+        return self.model.expert_load() if isinstance(self.model, MoEModel) else None
 
     def reset_expert_load(self) -> None:
-        if hasattr(self.model, "reset_expert_load"):
+        if isinstance(self.model, MoEModel):
             self.model.reset_expert_load()
+        self._expert_load_read_at = float("-inf")      # make_stats reads the zeroed counters next
 
     @classmethod
     def from_options(cls, **options: Any) -> "Engine":
         return cls(EngineConfig.from_options(**options))
 
     # --- sizing ---------------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        cache_cfg = self.config.cache_config
+    def _size_kv_cache(self) -> KVSizing:
+        """Blocks from kv_cache_memory (default: 1 GiB on CPU; on CUDA, gpu_memory_utilization of the
+        memory a profiled worst-case step leaves free)."""
+        cache_cfg, sched = self.config.cache_config, self.config.scheduler_config
         budget = cache_cfg.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                budget = self._cuda_kv_budget()
-            else:
-                budget = _DEFAULT_CPU_KV_BYTES
-        budget -= self._kv_fixed_bytes(budget)
-        num_blocks = budget // (self.kv_bytes_per_token * cache_cfg.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {budget} bytes holds no block of {cache_cfg.block_size} "
-                             f"tokens at {self.kv_bytes_per_token} bytes/token")
-        return int(num_blocks)
-
-    def _kv_fixed_bytes(self, budget: int) -> int:
-        """Bytes of a quantized format's per-sequence state (full-precision window rings): one row
-        per running request. When max_num_seqs rows would take over a quarter of the budget, fewer
-        requests run at once (max_num_seqs is lowered, with a warning)."""
-        sched = self.config.scheduler_config
-        fixed = self.kv_spec.fixed_bytes(sched.max_num_seqs)
-        if fixed > budget // 4 and self.kv_spec.needs_rows:
-            per_row = max(1, self.kv_spec.fixed_bytes(2) - self.kv_spec.fixed_bytes(1))
-            rows = max(1, (budget // 4) // per_row)
-            logger.warning("the KV window of %d rows needs %d bytes; max_num_seqs lowered from %d to %d",
-                           sched.max_num_seqs, fixed, sched.max_num_seqs, rows)
-            sched.max_num_seqs = rows
-            fixed = self.kv_spec.fixed_bytes(rows)
-        return fixed
+        if budget is None and self.device.type == "cuda":
+            budget = cuda_kv_budget(self.model, self.device, self.dtype, cache_cfg.block_size,
+                                    sched.max_num_batched_tokens, sched.max_num_seqs,
+                                    self.config.model_config.attention_backend, cache_cfg.gpu_memory_utilization)
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_BYTES
+        return size_kv_cache(self.kv_spec, budget, cache_cfg.block_size, sched.max_num_seqs)
 
     def _build_prefix_cache(self, num_blocks: int) -> Optional[PrefixCache]:
-        spec = getattr(self, "kv_spec", None)
-        if self.config.cache_config.enable_prefix_caching and getattr(spec, "needs_rows", False):
+        if self.config.cache_config.enable_prefix_caching and self.kv_spec.needs_rows:
             # A full-precision window / error-feedback state lives per running sequence, outside
             # the blocks, so a request starting from cached blocks would lack it.
             logger.warning("prefix caching is off: the KV format keeps per-sequence state outside the blocks")
             return None
         return build_prefix_cache(self.config.cache_config, num_blocks)
-
-    def _cuda_kv_budget(self) -> int:
-        """Free memory after weights and a profiled worst-case step, times gpu_memory_utilization."""
-        sched = self.config.scheduler_config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        block_size = self.config.cache_config.block_size
-        probe_tokens = sched.max_num_batched_tokens
-        probe = ModelRunner(self.model, self.device, self.dtype, -(-probe_tokens // block_size) + 1,
-                            block_size, set(), self.config.model_config.attention_backend)
-        probe.profile_forward(probe_tokens, min(sched.max_num_seqs, probe_tokens))
-        torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
-        del probe
-        torch.cuda.empty_cache()
-        free, _total = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.config.cache_config.gpu_memory_utilization) - activation_peak
-        if budget <= 0:
-            raise ValueError("no GPU memory left for the KV cache after weights and activations")
-        return budget
 
     def _time_step_shapes(self) -> list[tuple[StepShape, float]]:
         """Forwards timed at start (latency targets only): the step-cost model's first estimate, so
@@ -365,7 +332,7 @@ class Engine:
             if self._inflight is not None:
                 outputs += self._finish_inflight()
                 sched_out.scheduled = [item for item in sched_out.scheduled if not item.request.is_finished]
-                if not sched_out.scheduled:
+                if sched_out.is_empty:
                     return outputs
             return outputs + self._run_step(sched_out)
         finally:
@@ -481,8 +448,28 @@ class Engine:
     def make_stats(self) -> EngineStats:
         """A frozen copy of what the engine's parts report (kvserve/stats.py): what metrics read."""
         counters = self.stats
+        prefix_stats = self.prefix.make_stats()
         return EngineStats(self.scheduler.make_stats(), self.kv_manager.make_stats(), counters.prompt_tokens_total,
-                           counters.generation_tokens_total, dict(counters.requests_finished_total))
+                           counters.generation_tokens_total, dict(counters.requests_finished_total),
+                           prefix_cache=prefix_stats, expert_load=self._expert_load_stats())
+
+    # The expert load make_stats last read, and when (monotonic seconds): see _expert_load_stats.
+    _expert_load_read: Optional[ExpertLoadStats] = None
+    _expert_load_read_at: float = float("-inf")
+    EXPERT_LOAD_READ_INTERVAL_S = 1.0
+
+    def _expert_load_stats(self) -> Optional[ExpertLoadStats]:
+        """expert_load() as stats data. Reading the counters waits for the GPU, which after every step
+        would take the overlap from overlapped scheduling: they are read at most once a second while
+        requests run, and whenever none do (so an idle engine publishes the final counts)."""
+        now = time.monotonic()
+        if self._groups and now - self._expert_load_read_at < self.EXPERT_LOAD_READ_INTERVAL_S:
+            return self._expert_load_read
+        load = self.expert_load()
+        self._expert_load_read = None if load is None else ExpertLoadStats(
+            tuple(load.layers), tuple(tuple(int(c) for c in row) for row in load.tokens_per_expert), load.top_k)
+        self._expert_load_read_at = now
+        return self._expert_load_read
 
     @property
     def num_running(self) -> int:

@@ -11,12 +11,13 @@ import os
 import platform
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from kvserve.eval.prompts import random_prompts
+from kvserve.eval.timing import Stopwatch, median
 from kvserve.sampling_params import SamplingParams
 
 
@@ -32,13 +33,6 @@ class BenchPoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    # Stay clear of the first ids, where special tokens usually live.
-    low = min(100, vocab_size // 2)
-    return torch.randint(low, vocab_size, (num, input_len), generator=generator).tolist()
-
-
 def step_until_prompts_computed(engine) -> None:
     """Engine steps until no request is waiting and every running one has its whole prompt computed
     (its first token sampled): what follows is decode steps only."""
@@ -50,11 +44,6 @@ def step_until_prompts_computed(engine) -> None:
 def _cpu_fma_gflops() -> Optional[list[float]]:
     from kvserve.kernels import cpu as cpu_kernels
     return cpu_kernels.fma_gflops_by_thread(0.25)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repeats: int, seed: int) -> BenchPoint:
@@ -69,19 +58,17 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
         if engine.device.type == "cpu":
             calibration.append(_cpu_fma_gflops())
         ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
-        _sync(engine.device)
-        started = time.perf_counter()
-        pending = set(ids)
-        steps = 0
-        while pending:
-            for out in engine.step():
-                if out.finished:
-                    pending.discard(out.request_id)
-            steps += 1
-            peak_usage = max(peak_usage, engine.kv_manager.usage)
-        _sync(engine.device)
-        times.append(time.perf_counter() - started)
-    seconds = statistics.median(times)
+        with Stopwatch(engine.device) as watch:
+            pending = set(ids)
+            steps = 0
+            while pending:
+                for out in engine.step():
+                    if out.finished:
+                        pending.discard(out.request_id)
+                steps += 1
+                peak_usage = max(peak_usage, engine.kv_manager.usage)
+        times.append(watch.seconds)
+    seconds = median(times)
     extra = {"peak_kv_usage": round(peak_usage, 4), "steps": steps,
              "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
              "kv_bytes_per_token": engine.kv_bytes_per_token,
@@ -123,15 +110,12 @@ def bench_transformers(model, device: torch.device, batch_size: int, input_len: 
     mask = torch.ones_like(prompts)
     times = []
     for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        with torch.inference_mode():
+        with Stopwatch(device) as watch, torch.inference_mode():
             out = model.generate(prompts, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
                                  do_sample=False, pad_token_id=0)
-        _sync(device)
-        times.append(time.perf_counter() - started)
+        times.append(watch.seconds)
         assert out.shape[1] == input_len + output_len
-    seconds = statistics.median(times)
+    seconds = median(times)
     return BenchPoint("transformers", batch_size, input_len, output_len, seconds,
                       batch_size * output_len / seconds, batch_size * (input_len + output_len) / seconds,
                       {"runs_s": [round(t, 4) for t in times]})

@@ -1,5 +1,5 @@
 """Fidelity of quantized KV formats on a real model and real text (`kvserve eval-kv`,
-benchmarks/kv_fidelity.py) and static scale calibration (`kvserve calibrate`).
+benchmarks/kv/kv_fidelity.py) and static scale calibration (`kvserve calibrate`).
 
 Everything runs through the engine's own runner and paged cache, token by token, so what is
 measured is decode-time behaviour: each token's K/V is quantized when stored and every later
@@ -35,7 +35,8 @@ import torch
 from kvserve.sched.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import ScheduledRequest
-from kvserve.kvcache.quant import KV_SPEC_OPTIONS, resolve_format_name
+from kvserve.config import resolve_format_name
+from kvserve.kvstore import KV_SPEC_OPTIONS
 
 
 def default_text() -> str:
@@ -109,7 +110,7 @@ def _forward_last_tokens(runner, items: list[ScheduledRequest], tables: dict[str
     [len(items), vocab] (host) after each item's last new token, in `items`' order."""
     ordered, input_ids, positions, meta = runner.build_batch(items, tables)
     with runner._sdpa_backends():
-        hidden = runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
+        hidden = runner.forward_path.run(runner.model, input_ids, positions, runner.kv_store, meta)
     last, offset = {}, 0
     for item in ordered:                  # build_batch puts decodes before prefills
         offset += item.num_new_tokens
@@ -265,12 +266,12 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
                     reference_greedy: Optional[list[list[int]]], passkey_len: int, passkey_depths: list[float],
                     kv_budget_bytes: int) -> tuple[FormatResult, list[list[int]]]:
     from kvserve.engine.engine import Engine
-    from kvserve.kvcache.quant import capacity_ratio
+    from kvserve.kvstore import capacity_ratio
     engine = Engine.from_options(**_format_engine_options(base_options, format_options))
     spec = engine.kv_spec
     capacity = kv_budget_bytes // spec.bytes_per_token
     result = FormatResult(name, format_options, spec.bytes_per_token, capacity, round(capacity_ratio(spec), 4),
-                          engine.runner.backend.name)
+                          engine.runner.forward_path.name)
     if segments:
         result.perplexity = asdict(decode_perplexity(engine, segments))
         result.perplexity.pop("nll_per_segment")
@@ -378,7 +379,7 @@ def one_forward_path(base_options: dict[str, Any], device: torch.device) -> dict
     quantized ones run through the torch path. Left to `auto`, the reference would run natively and
     every other format through torch, and each difference would carry the two paths' offset as
     well: so on the CPU every format runs through torch. (At full precision the two agree to 6e-6
-    in logprob on the test checkpoints, tests/test_eval_kv.py, and to 8e-7 relative in the
+    in logprob on the test checkpoints, tests/eval/test_eval_kv.py, and to 8e-7 relative in the
     default model's decode perplexity over 2 x 128 tokens.)"""
     if device.type == "cpu" and base_options.get("attention_backend", "auto") == "auto":
         return {**base_options, "attention_backend": "torch"}
@@ -473,18 +474,17 @@ def calibrate(engine, token_ids: list[int], chunk_len: int = 512) -> dict[str, t
     which sees each layer's new K/V (post-RoPE keys, as stored)."""
     runner = engine.runner
     absmax: dict[str, torch.Tensor] = {}
-    layer_of = {id(pair[0]): index for index, pair in enumerate(runner.kv_caches)}
+    layer_of = {id(layer.key): index for index, layer in enumerate(runner.kv_store)}
+    # The per-layer backend: where the native CPU forward runs the whole model, it is the torch
+    # reference, which sees each layer's K/V (the model's packed linears run either way).
     real_backend = runner.backend
-    if getattr(real_backend, "runs_whole_model", False):
-        # The native CPU forward has no per-layer hook; the torch reference sees each layer's K/V
-        # (the model's packed linears run either way).
-        from kvserve.attention.backend import TorchAttentionBackend
-        real_backend = TorchAttentionBackend()
 
     class _Capture:
         name = real_backend.name
 
-        def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        stores_kv_with_rotary = False
+
+        def forward(self, query, key, value, k_cache, v_cache, meta, scale, kv_stored=False):
             layer = layer_of[id(k_cache)]
             for part, tensor in (("k", key), ("v", value)):
                 name = f"layers.{layer}.{part}"
@@ -502,6 +502,6 @@ def calibrate(engine, token_ids: list[int], chunk_len: int = 512) -> dict[str, t
         ordered, input_ids, positions, meta = runner.build_batch([ScheduledRequest(request, len(chunk))],
                                                                  {request.request_id: list(range(blocks))})
         with runner._sdpa_backends():
-            runner.model(input_ids, positions, runner.kv_caches, meta, capture)
+            runner.model(input_ids, positions, runner.kv_store, meta, capture)
         request.status = RequestStatus.FINISHED_ABORTED
     return absmax

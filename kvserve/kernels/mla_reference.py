@@ -3,7 +3,7 @@
 The cache of one layer is two parts addressed by the same slots (NHD paged, one "head" each):
 the normalised KV latent `[num_blocks, block_size, 1, kv_lora_rank]` and the rotated shared RoPE
 key `[num_blocks, block_size, 1, qk_rope_head_dim]`. Either part may be a quantized
-`QuantizedKVCache` (kvserve.kvcache.quant); reads dequantize to the query dtype.
+`QuantizedKVCache` (kvserve.kvstore); reads dequantize to the query dtype.
 
 Decode runs in the *absorbed* form: the query's no-RoPE part has already been multiplied by W_UK
 (so it lives in latent space), scores are `q_latent . latent + q_rope . k_rope`, and the output is

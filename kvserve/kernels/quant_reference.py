@@ -1,4 +1,4 @@
-"""Torch reference of attention over a quantized paged KV cache (kvserve.kvcache.quant).
+"""Torch reference of attention over a quantized paged KV cache (kvserve.kvstore).
 
 A layer's cache part is either a plain tensor (full precision, stored as in kernels.reference) or a
 QuantizedKVCache; the two parts of a layer may differ (keys int8, values fp8, ...). Reads gather
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import reference
-from kvserve.kvcache.quant import QuantizedKVCache
+from kvserve.kvstore import QuantizedKVCache
 
 
 def store_part(cache, x: torch.Tensor, slot_mapping: torch.Tensor, window_slots: torch.Tensor | None = None,

@@ -25,13 +25,14 @@ import itertools
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
 import xxhash
 
-from kvserve.kvcache.policies import (AccessStats, AdaptivePolicy, AdaptiveSnapshot, EvictionPolicy, Evictor,
+from kvserve.kvcache.policies import (AccessStats, AdaptivePolicy, EvictionPolicy, Evictor,
                                       make_policy, note_continuation)
+from kvserve.stats import PrefixCacheStats
 
 _ROOT_DOMAIN = b"kvserve.prefix.v1\0"
 
@@ -116,26 +117,6 @@ class Pin:
 
 class PinLimitError(ValueError):
     """Pinning these blocks would pin more of the cache than allowed."""
-
-
-@dataclass(frozen=True)
-class PrefixCacheStats:
-    """An immutable copy for /metrics and logs (taken on the engine thread)."""
-    policy: str                          # configured policy name
-    active_policy: str                   # the ranking in force (adaptive: the chosen arm)
-    lookups: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    cached_blocks: int = 0
-    evictable_blocks: int = 0
-    pinned_blocks: int = 0               # cached blocks under an active pin
-    num_pins: int = 0
-    evictions: dict[str, int] = field(default_factory=dict)     # by the policy that chose them
-    adaptive: Optional[AdaptiveSnapshot] = None
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 class PrefixCache:
@@ -356,7 +337,7 @@ class PrefixCache:
                 self._drop_pin(pin)
 
     # --- reporting ----------------------------------------------------------------------------------
-    def stats(self, policy_name: str) -> PrefixCacheStats:
+    def make_stats(self, policy_name: str) -> PrefixCacheStats:
         self._expire_pins()
         pinned = sum(1 for h in self._pin_counts if h in self._by_hash)
         adaptive = self.policy.snapshot() if isinstance(self.policy, AdaptivePolicy) else None

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from kvserve.kvcache.manager import KVCacheManager
-from kvserve.kvcache.prefix_cache import PrefixCacheStats, make_namespace, parse_share_groups
+from kvserve.kvcache.prefix_cache import make_namespace, parse_share_groups
+from kvserve.stats import PrefixCacheStats
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,12 @@ class PrefixControl:
                         self.cache.num_cached_of(p.block_hashes), p.expires_at - now)
                 for p in self.cache.pins() if self._owns(tenant, p.namespace)]
 
+    def make_stats(self) -> PrefixCacheStats:
+        if self.cache is None:
+            return PrefixCacheStats("off", "off")
+        return self.cache.make_stats(self.policy_name)
+
     def publish(self) -> None:
         """Replaces `stats` with a fresh immutable copy (one reference swap: safe to read from
         another thread)."""
-        if self.cache is None:
-            self.stats = PrefixCacheStats("off", "off")
-        else:
-            self.stats = self.cache.stats(self.policy_name)
+        self.stats = self.make_stats()

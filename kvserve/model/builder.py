@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.config import ModelConfig
 from kvserve.model.deepseek import MODEL_CLASSES as DEEPSEEK_CLASSES
+from kvserve.model.layers import DEFAULT_KERNEL_SWITCHES, KernelSwitches, apply_kernel_switches
 from kvserve.model.llama import MODEL_CLASSES as LLAMA_CLASSES
 
 MODEL_CLASSES = {**LLAMA_CLASSES, **DEEPSEEK_CLASSES}
@@ -42,7 +44,15 @@ def model_class(architecture: str):
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_CLASSES)}") from None
 
 
-def build_model(source, dtype: torch.dtype, device: torch.device, load_format: str, seed: int) -> torch.nn.Module:
+def kernel_switches(model_config: ModelConfig) -> KernelSwitches:
+    """The Triton fast paths the engine's options turn on (`--fused-ops`, `--gemv-max-tokens`)."""
+    return KernelSwitches(fused_ops=model_config.fused_ops, gemv_max_tokens=model_config.gemv_max_tokens)
+
+
+def build_model(source, dtype: torch.dtype, device: torch.device, load_format: str, seed: int,
+                switches: KernelSwitches = DEFAULT_KERNEL_SWITCHES) -> torch.nn.Module:
+    """`switches` are stored on every layer that reads them, before anything runs (CUDA graphs
+    captured later record them)."""
     cls = model_class(source.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -51,6 +61,7 @@ def build_model(source, dtype: torch.dtype, device: torch.device, load_format: s
             model = cls(source.hf_config)
     finally:
         torch.set_default_dtype(previous)
+    apply_kernel_switches(model, switches)
     if load_format == "dummy":
         _init_random(model, seed)
     else:

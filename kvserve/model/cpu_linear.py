@@ -1,9 +1,9 @@
 """fp32 linear layers on CPU with weights pre-packed once by oneDNN.
 
 torch's CPU `F.linear` hands the weight to MKL in its checkpoint layout on every call. oneDNN can
-reorder a weight once, at load, into the blocked layout its GEMM kernels stream; on this repo's
-2-core AVX2 test machine that makes the decode-shaped GEMMs (4-64 rows) 1.5-2.6x faster and large
-prefill GEMMs about 1.3x faster (benchmarks/cpu_linear_bench.py measures it). torch's own
+reorder a weight once, at load, into the blocked layout its GEMM kernels stream, which is faster at
+decode and prefill shapes alike (benchmarks/cpu/cpu_linear_bench.py; measured: docs/cpu_performance.md).
+torch's own
 `torch.compile` freezing pass uses the same two operators for CPU inference.
 
 Only fp32 is packed: oneDNN's bf16 path needs AVX512-BF16 / AVX-NE-CONVERT, and where it is missing

@@ -6,8 +6,8 @@ Here the whole step is one C call: the weights are packed once into 16-column pa
 when the model runs in bf16: half the bytes per decode step), activations and the residual stream are
 fp32 throughout, and attention reads the paged cache in place for decodes and prefill chunks alike.
 
-`NativeCpuBackend` is chosen by the runner (`--attention-backend auto` on CPU, or `native`); it
-keeps the attention-backend interface, and `LlamaForCausalLM.forward` hands it the whole model.
+`NativeCpuForward` runs in place of the model's own forward; the worker chooses it
+(kvserve/worker/forward_path.py: `--attention-backend auto` on CPU, or `native`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels.cpu import hugepages
+from kvserve.kvstore import KVCacheStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class NativeLinear(nn.Module):
                 f"bias={self.bias is not None}, weight={self.packed_weight.dtype}")
 
 
-def unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_caches) -> str | None:
+def unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_store: KVCacheStore) -> str | None:
     """Why the native path cannot run this model/format here, or None when it can."""
     from kvserve.model.llama import LlamaForCausalLM
     if not cpu_kernels.available():
@@ -57,9 +58,8 @@ def unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_caches) -> str |
         return f"{type(model).__name__} has no native CPU forward (Llama and Qwen2 do)"
     if dtype not in NATIVE_DTYPES:
         return f"the native CPU path runs fp32 or bf16 models, not {dtype}"
-    for k_cache, v_cache in kv_caches:
-        if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)) \
-                or k_cache.dtype not in NATIVE_DTYPES:
+    for layer in kv_store:
+        if not layer.full_precision or layer.key.dtype not in NATIVE_DTYPES:
             return "quantized KV caches run on the torch path on CPU"
     return None
 
@@ -82,15 +82,12 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-class NativeCpuBackend:
+class NativeCpuForward:
     """Runs the whole Llama/Qwen2 model per step in kvserve.kernels.cpu (see the module docstring)."""
 
-    name = "native"
-    runs_whole_model = True
-
     def __init__(self) -> None:
-        # (dims, layer pointers, final norm, the kv_caches list they point into): built once per
-        # runner's caches; the pointers stay valid because weights and caches never move.
+        # (dims, layer pointers, final norm, the KV store they point into): built once per store;
+        # the pointers stay valid because weights and caches never move.
         self._prepared: tuple | None = None
         self._workspace = torch.empty(0, dtype=torch.float32)
 
@@ -101,11 +98,11 @@ class NativeCpuBackend:
             if hasattr(module, "eps") and isinstance(getattr(module, "weight", None), torch.Tensor):
                 module.native_weight = module.weight.detach().float().contiguous()
 
-    def _layers(self, model, kv_caches) -> tuple:
-        if self._prepared is not None and self._prepared[3] is kv_caches:
+    def _layers(self, model, kv_store: KVCacheStore) -> tuple:
+        if self._prepared is not None and self._prepared[3] is kv_store:
             return self._prepared
         attn0 = model.layers[0].self_attn
-        k0 = kv_caches[0][0]
+        k0 = kv_store[0].key
         dims = cpu_kernels.ModelDims(
             hidden_size=model.config.hidden_size, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
             head_dim=attn0.head_dim, intermediate_size=model.layers[0].mlp.intermediate_size,
@@ -113,7 +110,7 @@ class NativeCpuBackend:
             weight_bf16=int(attn0.qkv_proj.packed_weight.dtype == torch.bfloat16),
             kv_bf16=int(k0.dtype == torch.bfloat16))
         layers = (cpu_kernels.LayerPointers * len(model.layers))()
-        for entry, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_caches):
+        for entry, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_store):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.native_weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.native_weight.data_ptr()
@@ -122,13 +119,13 @@ class NativeCpuBackend:
                 setattr(entry, f"{prefix}_w", linear.packed_weight.data_ptr())
                 setattr(entry, f"{prefix}_b", _pointer(linear.bias))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self._prepared = (dims, layers, model.norm.native_weight, kv_caches)
+        self._prepared = (dims, layers, model.norm.native_weight, kv_store)
         return self._prepared
 
-    def run_model(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
-                  meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, model, input_ids: torch.Tensor, positions: torch.Tensor, kv_store: KVCacheStore,
+            meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] fp32 for the flat token batch."""
-        dims, layers, final_norm, _ = self._layers(model, kv_caches)
+        dims, layers, final_norm, _ = self._layers(model, kv_store)
         num_tokens = input_ids.shape[0]
         residual = model.embed_tokens(input_ids).float().contiguous()
         cos, sin = model.rotary(positions, torch.float32)
@@ -148,9 +145,6 @@ class NativeCpuBackend:
         if status != 0:
             raise RuntimeError("native CPU forward: workspace too small")   # a bug: sized just above
         return out
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("the native CPU backend runs whole models (run_model), not single attention layers")
 
 
 def token_tables(meta: AttentionMetadata, num_tokens: int, block_size: int

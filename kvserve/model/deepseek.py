@@ -24,11 +24,14 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from kvserve.attention.interface import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
+from kvserve.kvstore import KVCacheStore
 from kvserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from kvserve.model.mla import MLAAttention
 from kvserve.model.mla_cache import MLAKVCacheSpec, build_mla_kv_cache_spec
-from kvserve.model.moe import DeepseekMoE, ExpertLoadStats, collect_expert_load, reset_expert_load
+from kvserve.model.moe import DeepseekMoE, collect_expert_load, reset_expert_load
+from kvserve.stats import ExpertLoadStats
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -105,14 +108,14 @@ class DeepseekV2ForCausalLM(nn.Module):
         reset_expert_load(self)
 
     # --- forward --------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata,
-                backend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_store: KVCacheStore,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         # Padding rows of a CUDA-graph batch have slot -1: they must not count as expert load.
         token_weight = (meta.slot_mapping >= 0).to(torch.int64)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_store):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, backend, token_weight)
         return self.norm(hidden, residual)[0]
 

@@ -6,9 +6,8 @@ the model dtype) so that greedy outputs match its forward pass token for token.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,59 +34,68 @@ def _triton_ops():
     return fused_ops, rotary
 
 
-_fused_enabled = True
+@dataclass(frozen=True)
+class KernelSwitches:
+    """Which Triton fast paths one model's layers take on CUDA. Chosen when the model is built
+    (`kvserve.model.builder.build_model`, from the engine's `fused_ops` and `gemv_max_tokens`) and
+    stored on every layer module that reads them (`UsesKernelSwitches`); CUDA graphs captured
+    afterwards record the choice. CPU tensors always take the torch ops.
+
+    fused_ops: RMSNorm (+ residual), rotary and SiLU*mul as single Triton kernels: at decode batch
+      sizes the ~20 small torch kernels per layer they replace cost more GPU time than the layer's
+      attention. Off, every layer runs torch ops only (the skinny GEMM included).
+    gemv_max_tokens: steps of at most this many tokens run the linear layers through the Triton
+      skinny GEMM (kvserve/kernels/triton/gemv.py), larger ones through cuBLAS; 0: always cuBLAS.
+    """
+
+    fused_ops: bool = True
+    gemv_max_tokens: int = 16
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether an op on `x` takes its fused Triton kernel."""
+        return self.fused_ops and x.is_cuda and _triton_ops() is not None
+
+    def gemv_for(self, x: torch.Tensor, weight: torch.Tensor):
+        """The gemv module when a linear layer's call on `x` should take it, else None."""
+        if x.dim() != 2 or x.shape[0] > self.gemv_max_tokens or not self.fused(x):
+            return None
+        ops = _gemv_ops()
+        return ops if ops is not None and ops.supports(x, weight) else None
 
 
-def use_fused_kernels(x: torch.Tensor) -> bool:
-    """On CUDA the norms, rotary and SiLU*mul run as single Triton kernels: at decode batch sizes the
-    ~20 small torch kernels per layer they replace cost more GPU time than the layer's attention."""
-    return _fused_enabled and x.is_cuda and _triton_ops() is not None
+DEFAULT_KERNEL_SWITCHES = KernelSwitches()
+TORCH_OPS_ONLY = KernelSwitches(fused_ops=False, gemv_max_tokens=0)
 
 
-@contextlib.contextmanager
-def fused_kernels(enabled: bool) -> Iterator[None]:
-    """Turns the Triton fused ops on or off inside the block (tests compare both paths)."""
-    global _fused_enabled
-    previous, _fused_enabled = _fused_enabled, enabled
-    try:
-        yield
-    finally:
-        _fused_enabled = previous
+class UsesKernelSwitches:
+    """Mixin of a module whose forward reads `self.switches`: the class default until the model
+    builder gives every such module of a model its switches (`apply_kernel_switches`)."""
+
+    switches: KernelSwitches = DEFAULT_KERNEL_SWITCHES
 
 
-# Steps of at most this many tokens run the linear layers through the Triton skinny GEMM on CUDA
-# (kvserve/kernels/triton/gemv.py); larger ones through cuBLAS. Set from the engine's `gemv_max_tokens`.
-_gemv_max_rows = 16
+def apply_kernel_switches(model: nn.Module, switches: KernelSwitches) -> nn.Module:
+    """Stores `switches` on every module of `model` that reads them; returns `model`."""
+    for module in model.modules():
+        if isinstance(module, UsesKernelSwitches):
+            module.switches = switches
+    return model
 
 
-def configure_gemv(max_rows: int) -> None:
-    """0 turns the skinny GEMM off (every linear layer through cuBLAS)."""
-    global _gemv_max_rows
-    _gemv_max_rows = max(0, int(max_rows))
-
-
-def _gemv_for(x: torch.Tensor, weight: torch.Tensor):
-    """The gemv module when this call should take it, else None."""
-    if x.dim() != 2 or x.shape[0] > _gemv_max_rows or not use_fused_kernels(x):
-        return None
-    ops = _gemv_ops()
-    return ops if ops is not None and ops.supports(x, weight) else None
-
-
-class Linear(nn.Linear):
+class Linear(UsesKernelSwitches, nn.Linear):
     """nn.Linear whose decode-sized calls on CUDA stream the weight through kvserve's Triton skinny
     GEMM: at batch 1-8 a linear layer's time is its weight bytes over the bandwidth it reaches, and
-    that kernel reaches more of it than cuBLAS on the R1-Distill shapes (benchmarks/gemv_bench.py).
+    that kernel reaches more of it than cuBLAS on the R1-Distill shapes (benchmarks/kernels/gemv_bench.py).
     Still an nn.Linear: weight loading and CPU weight packing see no difference."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = _gemv_for(x, self.weight)
+        ops = self.switches.gemv_for(x, self.weight)
         if ops is not None:
             return ops.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesKernelSwitches, nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -96,7 +104,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual stream (norm(x + residual), x + residual); the sum is
         rounded to the model dtype first, as transformers' `hidden = residual + hidden` does."""
-        if use_fused_kernels(x):
+        if self.switches.fused(x):
             return _triton_ops()[0].rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -105,7 +113,7 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # The same formula in one op (fewer kernels; bit-identical in fp32 on the CPU, tests/test_layers.py).
+            # The same formula in one op (fewer kernels; bit-identical in fp32 on the CPU, tests/models/test_layers.py).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.float()
@@ -169,11 +177,12 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
 
 
 def rotate_queries_and_keys(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                            cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            cos: torch.Tensor, sin: torch.Tensor, switches: KernelSwitches = DEFAULT_KERNEL_SWITCHES,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused QKV output [T, (heads + 2 kv_heads) * D] -> rotated q [T, heads, D], k, and v [T, kv_heads, D]."""
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if use_fused_kernels(qkv):
+    if switches.fused(qkv):
         # q and k are adjacent columns of the GEMM output: rotate both in place with one kernel.
         _triton_ops()[1].rotary_inplace(qkv[:, :q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim),
                                         cos, sin)
@@ -192,7 +201,7 @@ def rotary_and_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
                                          slot_mapping)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(UsesKernelSwitches, nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
@@ -202,11 +211,11 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gemv = _gemv_for(x, self.gate_up_proj.weight) if isinstance(self.gate_up_proj, Linear) else None
+        gemv = self.switches.gemv_for(x, self.gate_up_proj.weight) if isinstance(self.gate_up_proj, Linear) else None
         if gemv is not None:      # gate_up and SiLU*mul in one pass over the weight
             return self.down_proj(gemv.gemv(x, self.gate_up_proj.weight, self.gate_up_proj.bias, silu_mul=True))
         gate_up = self.gate_up_proj(x)
-        if use_fused_kernels(gate_up):
+        if self.switches.fused(gate_up):
             return self.down_proj(_triton_ops()[0].silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -12,12 +12,14 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from kvserve.attention.interface import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
-from kvserve.model.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, rotary_and_store_kv, rotate_queries_and_keys,
-                                  split_qkv, use_fused_kernels)
+from kvserve.kvstore import KVCacheStore, LayerKV
+from kvserve.model.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, UsesKernelSwitches, rotary_and_store_kv,
+                                  rotate_queries_and_keys, split_qkv)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(UsesKernelSwitches, nn.Module):
     def __init__(self, cfg, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -30,18 +32,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend) -> torch.Tensor:
+                kv_cache: LayerKV, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if getattr(backend, "stores_kv_with_rotary", False) and use_fused_kernels(qkv) \
-                and all(isinstance(cache, torch.Tensor) for cache in kv_cache):
+        if backend.stores_kv_with_rotary and self.switches.fused(qkv) and kv_cache.full_precision:
             # One kernel rotates q/k and writes K/V into the cache; the backend then only attends.
             rotary_and_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
                                 kv_cache[0], kv_cache[1], meta.slot_mapping)
             q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=True)
         else:
-            q, k, v = rotate_queries_and_keys(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin)
+            q, k, v = rotate_queries_and_keys(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
+                                              self.switches)
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -103,14 +105,11 @@ class LlamaForCausalLM(nn.Module):
 
     # --- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
-        if getattr(backend, "runs_whole_model", False):     # the native CPU path (model/cpu_native.py)
-            return backend.run_model(self, input_ids, positions, kv_caches, meta)
+                kv_store: KVCacheStore, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_store):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta, backend)
         return self.norm(hidden, residual)[0]
 

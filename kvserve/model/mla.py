@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.attention.interface import AttentionBackend
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import mla_reference
+from kvserve.kvstore import LayerKV, is_quantized
 from kvserve.model.layers import RMSNorm, apply_rotary
 
 
@@ -103,8 +105,8 @@ class MLAAttention(nn.Module):
         return per_head[:, :self.nope_dim], per_head[:, self.nope_dim:]
 
     # --- forward --------------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache,
-                meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: LayerKV,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         if self.fused_q:
             projected = self.qkv_a_proj(hidden)
@@ -125,7 +127,7 @@ class MLAAttention(nn.Module):
         latent_cache, rope_cache = kv_cache
         gpu = self._gpu_kernels(backend, hidden)
         self._store(latent, k_rope, latent_cache, rope_cache, meta, gpu)
-        fast = gpu and isinstance(latent_cache, torch.Tensor) and isinstance(rope_cache, torch.Tensor)
+        fast = gpu and kv_cache.full_precision
 
         output = hidden.new_empty(num_tokens, self.num_heads, self.v_dim)
         num_decodes = meta.num_decode_tokens
@@ -142,14 +144,14 @@ class MLAAttention(nn.Module):
             output[span] = self._prefill(q_nope[span], q_rope[span], ctx_latent, ctx_rope)
         return self.o_proj(output.view(num_tokens, self.num_heads * self.v_dim))
 
-    def _gpu_kernels(self, backend, hidden: torch.Tensor) -> bool:
+    def _gpu_kernels(self, backend: AttentionBackend, hidden: torch.Tensor) -> bool:
         """Whether the Triton kernels run: CUDA and the triton backend (the decode kernel also needs
         full-precision parts; quantized ones are read by the torch reference)."""
-        return hidden.is_cuda and getattr(backend, "name", "") == "triton" and _triton_mla() is not None
+        return hidden.is_cuda and backend.name == "triton" and _triton_mla() is not None
 
     def _store(self, latent, k_rope, latent_cache, rope_cache, meta: AttentionMetadata, gpu: bool) -> None:
         for cache, values in ((latent_cache, latent), (rope_cache, k_rope)):
-            if gpu and isinstance(cache, torch.Tensor):
+            if gpu and not is_quantized(cache):
                 _triton_mla().store_rows(values, cache, meta.slot_mapping)     # skips padding slots (-1)
             elif not (gpu and _store_quantized_on_gpu(cache, values, meta)):
                 mla_reference.store_part(cache, values, meta.slot_mapping, meta.kv_window_slots, meta.kv_rows)
@@ -192,7 +194,7 @@ class MLAAttention(nn.Module):
 def _store_quantized_on_gpu(cache, x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Quantize-on-write with the KV-format Triton store (it skips CUDA-graph padding slots of -1);
     False where that kernel does not cover the part (then the torch reference stores it)."""
-    if isinstance(cache, torch.Tensor) or getattr(cache, "residual", None) is not None:
+    if not is_quantized(cache) or cache.residual is not None:
         return False
     try:
         from kvserve.kernels.triton import kv_store_quant

@@ -2,7 +2,7 @@
 
 A DeepSeek-V2/V3 layer caches, per token, the normalised KV latent (kv_lora_rank, 512) and the
 rotated shared RoPE key (qk_rope_head_dim, 64): one "head" of 576 values instead of K and V for
-every head. The spec reuses the KV-format machinery of kvserve.kvcache.quant with the two parts
+every head. The spec reuses the KV-format machinery of kvserve.kvstore with the two parts
 in the places of K and V, each with its own width:
 
 - part 0 ("k" in format options and scale files) is the latent, `[blocks, block_size, 1, r]`;
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kvserve.kvcache.quant import KVCacheSpec, build_kv_cache_spec, resolve_format_name
+from kvserve.config import resolve_format_name
+from kvserve.kvstore.spec import KVCacheSpec, build_kv_cache_spec
 
 
 @dataclass
@@ -33,53 +34,11 @@ class MLAKVCacheSpec(KVCacheSpec):
     def part_dims(self) -> tuple[int, int]:
         return self.head_dim, self.rope_dim
 
-    def _part_spec(self, dim: int) -> KVCacheSpec:
-        """A plain spec of one part's width: its allocation and ring sizing are then the standard ones."""
-        return KVCacheSpec(self.layer_formats, 1, dim, self.model_dtype, self.window, self.sinks,
-                           self.error_feedback, self.static_scales)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(fmt.bytes_per_token(1, dim, self.model_dtype)
-                   for pair in self.layer_formats for fmt, dim in zip(pair, self.part_dims()))
-
-    def full_precision_token_bytes(self) -> int:
-        return (self.head_dim + self.rope_dim) * torch.empty((), dtype=self.model_dtype).element_size()
-
-    def fixed_bytes(self, rows: int) -> int:
-        if not self.needs_rows:
-            return 0
-        element = torch.empty((), dtype=self.model_dtype).element_size()
-        total = 0
-        for pair in self.layer_formats:
-            for fmt, dim in zip(pair, self.part_dims()):
-                if not fmt.quantized:
-                    continue
-                total += (rows * (self.sinks + self.window) + 1) * dim * element
-                if self.error_feedback:
-                    total += (rows + 1) * dim * 4
-        return total
-
     def describe(self) -> str:
         names = sorted({f"{k.name}/{v.name}" for k, v in self.layer_formats})
         extra = f", window {self.window}, sinks {self.sinks}" if self.needs_rows else ""
         return (f"MLA latent {self.head_dim} + rope {self.rope_dim} ({','.join(names)}){extra}, "
                 f"{self.bytes_per_token} bytes/token")
-
-    def allocate(self, num_blocks: int, block_size: int, device: torch.device, rows: int = 0) -> list:
-        """One (latent, rope key) pair per layer: plain tensors, or QuantizedKVCache parts."""
-        caches = []
-        for layer, pair in enumerate(self.layer_formats):
-            parts = []
-            for part_name, fmt, dim in zip("kv", pair, self.part_dims()):
-                if fmt.quantized:
-                    parts.append(self._part_spec(dim)._allocate_part(fmt, f"layers.{layer}.{part_name}", num_blocks,
-                                                                     block_size, device, rows))
-                else:
-                    parts.append(torch.zeros(num_blocks, block_size, 1, dim,
-                                             dtype=fmt.storage_dtype(self.model_dtype), device=device))
-            caches.append(tuple(parts))
-        return caches
 
 
 def build_mla_kv_cache_spec(num_layers: int, kv_lora_rank: int, rope_dim: int, model_dtype: torch.dtype,

@@ -25,14 +25,15 @@ run every expert at once. Two execution paths compute the same function:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.layers import SwiGLU, _triton_ops, use_fused_kernels
+from kvserve.model.layers import KernelSwitches, SwiGLU, UsesKernelSwitches, _triton_ops
+from kvserve.stats import ExpertLoadStats
 
 MOE_IMPLEMENTATIONS = ("auto", "grouped", "loop")
 
@@ -114,14 +115,14 @@ def route(logits: torch.Tensor, cfg: RoutingConfig,
     return weights, ids
 
 
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if use_fused_kernels(gate_up):
+def _silu_mul(gate_up: torch.Tensor, switches: KernelSwitches) -> torch.Tensor:
+    if switches.fused(gate_up):
         return _triton_ops()[0].silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(UsesKernelSwitches, nn.Module):
     """Router + routed experts (stacked weights) + shared experts, for one decoder layer."""
 
     implementation = "auto"    # set per model by DeepseekForCausalLM (see MOE_IMPLEMENTATIONS)
@@ -184,7 +185,7 @@ class DeepseekMoE(nn.Module):
         combine.scatter_(1, ids, weights)
         out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
         for expert in range(self.num_experts):
-            expert_out = F.linear(_silu_mul(F.linear(hidden, self.w13[expert])), self.w2[expert])
+            expert_out = F.linear(_silu_mul(F.linear(hidden, self.w13[expert]), self.switches), self.w2[expert])
             out += expert_out.float() * combine[:, expert:expert + 1]
         return out.to(hidden.dtype)
 
@@ -198,7 +199,7 @@ class DeepseekMoE(nn.Module):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         rows = hidden.index_select(0, order // top_k)
         gate_up = _grouped_mm(rows, self.w13.transpose(1, 2), offsets)
-        out_sorted = _grouped_mm(_silu_mul(gate_up), self.w2.transpose(1, 2), offsets)
+        out_sorted = _grouped_mm(_silu_mul(gate_up, self.switches), self.w2.transpose(1, 2), offsets)
         # Back to (token, k) order, then a weighted sum over k: deterministic (no atomics).
         out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
         out = out.view(num_tokens, top_k, -1).float() * weights[:, :, None]
@@ -220,41 +221,12 @@ class DeepseekMoE(nn.Module):
             start += count
             tokens = picks // top_k
             rows = hidden.index_select(0, tokens)
-            expert_out = F.linear(_silu_mul(F.linear(rows, self.w13[expert])), self.w2[expert])
+            expert_out = F.linear(_silu_mul(F.linear(rows, self.w13[expert]), self.switches), self.w2[expert])
             out.index_add_(0, tokens, expert_out.float() * flat_weights[picks, None])
         return out.to(hidden.dtype)
 
 
 # --- expert load statistics -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ExpertLoadStats:
-    """Token-expert assignments per MoE layer since the last reset (each token counts once for
-    each of its top-k experts)."""
-
-    layers: tuple[int, ...]                      # decoder layer index of each MoE layer
-    tokens_per_expert: tuple[tuple[int, ...], ...]
-    top_k: int = 1
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.tokens_per_expert[0]) if self.tokens_per_expert else 0
-
-    def imbalance(self) -> list[float]:
-        """Per layer: the busiest expert's load over the mean load (1.0 = perfectly even). Under
-        expert parallelism the busiest expert sets the step time, so this is the slowdown factor."""
-        result = []
-        for counts in self.tokens_per_expert:
-            total = sum(counts)
-            result.append(round(max(counts) * len(counts) / total, 4) if total else 0.0)
-        return result
-
-    def as_dict(self) -> dict:
-        return {"layers": list(self.layers), "top_k": self.top_k,
-                "tokens_per_expert": [list(c) for c in self.tokens_per_expert],
-                "imbalance_max_over_mean": self.imbalance()}
-
-
 def collect_expert_load(model: nn.Module) -> Optional[ExpertLoadStats]:
     """The counters of every DeepseekMoE in `model` (one device->host copy), or None without MoE."""
     layers, counters, top_k = [], [], 1

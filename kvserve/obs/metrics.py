@@ -2,9 +2,10 @@
 name theirs, with `kvserve:` for `vllm:`).
 
 Two kinds of series:
-- engine state (requests running/waiting, KV blocks, token and preemption totals) is read from the
-  latest `EngineSnapshot` at scrape time by a custom collector, so it is never stale and never
-  touches the engine from the HTTP thread;
+- engine state (requests running/waiting, KV blocks, token and preemption totals, the prefix cache,
+  the MoE expert load, the latency controls) is read from the latest `EngineSnapshot` (made from
+  `Engine.make_stats()`'s kvserve/stats.py dataclasses) at scrape time by custom collectors, so it
+  is never stale and never touches the engine from the HTTP thread;
 - per-request latencies (TTFT, time per output token, end-to-end, queue time) and sizes are
   histograms observed when a request leaves the engine (`observe_finished`, called on the engine
   thread; prometheus_client metrics are thread-safe).
@@ -22,11 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
+from kvserve.stats import ExpertLoadStats
 
 if TYPE_CHECKING:
     from kvserve.sched.slo import SLOTargets
-    from kvserve.kvcache.prefix_cache import PrefixCacheStats
-    from kvserve.model.moe import ExpertLoadStats
 
 NAMESPACE = "kvserve"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -145,15 +145,14 @@ class _EngineStateCollector:
 
 
 class _PrefixCacheCollector:
-    """Prefix-cache series from the engine's published PrefixCacheStats (an immutable object the
-    engine thread replaces after every step, so reading it never touches the engine)."""
+    """Prefix-cache series from the snapshot's PrefixCacheStats (none without one)."""
 
-    def __init__(self, stats: Callable[[], Optional["PrefixCacheStats"]], model_name: str) -> None:
-        self._stats = stats
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+        self._snapshot = snapshot
         self._model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        stats = self._stats()
+        stats = self._snapshot().prefix_cache
         if stats is None:
             return
         name, model = f"{NAMESPACE}:prefix_cache_", self._model_name
@@ -194,9 +193,9 @@ class _PrefixCacheCollector:
 
 class _ExpertLoadCollector:
     """Tokens routed to each expert of each MoE layer, and each layer's imbalance (busiest expert's
-    load over the mean), read from the model's device counters at scrape time (one small copy)."""
+    load over the mean), from the snapshot's ExpertLoadStats (none for a model without MoE layers)."""
 
-    def __init__(self, expert_load: Callable[[], Optional["ExpertLoadStats"]], model_name: str) -> None:
+    def __init__(self, expert_load: Callable[[], Optional[ExpertLoadStats]], model_name: str) -> None:
         self._expert_load = expert_load
         self._model_name = model_name
 
@@ -219,18 +218,20 @@ class _ExpertLoadCollector:
 
 
 class ServerMetrics:
+    """/metrics of one server. `snapshot` gives the latest EngineSnapshot (read at scrape time);
+    `slo` the latency targets finished requests are judged by (the engine's, from its
+    LatencyTargetStats); `expert_load`, where given, is read instead of the snapshot's expert load
+    (for a caller with an engine but no engine thread)."""
+
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
-                 prefix_stats: Optional[Callable[[], Optional["PrefixCacheStats"]]] = None,
-                 expert_load: Optional[Callable[[], Optional["ExpertLoadStats"]]] = None,
-                 slo: Optional["SLOTargets"] = None) -> None:
+                 slo: Optional["SLOTargets"] = None,
+                 expert_load: Optional[Callable[[], Optional[ExpertLoadStats]]] = None) -> None:
         self.model_name = model_name
         self.slo = slo if slo is not None and slo.enabled else None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineStateCollector(snapshot, model_name))
-        if prefix_stats is not None:
-            self.registry.register(_PrefixCacheCollector(prefix_stats, model_name))
-        if expert_load is not None:
-            self.registry.register(_ExpertLoadCollector(expert_load, model_name))
+        self.registry.register(_PrefixCacheCollector(snapshot, model_name))
+        self.registry.register(_ExpertLoadCollector(expert_load or (lambda: snapshot().expert_load), model_name))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:

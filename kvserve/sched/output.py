@@ -1,5 +1,5 @@
 """What the scheduler hands on for one step: the requests to compute and how many tokens of each,
-and the requests it preempted or shed. Read by the engine and the worker; the scheduler owns the
+the KV block copies to run before the forward, and the requests it preempted or shed. Read by the engine and the worker; the scheduler owns the
 requests themselves."""
 
 from __future__ import annotations
@@ -20,9 +20,25 @@ class ScheduledRequest:
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
+@dataclass(frozen=True)
+class BlockCopy:
+    """Blocks to copy between two KV stores before the step's forward (the worker names its stores:
+    "device" is the paged cache the model reads; a tier adds its own)."""
+    source: str
+    destination: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ValueError(f"a block copy needs as many source blocks ({len(self.src_block_ids)}) "
+                             f"as destination blocks ({len(self.dst_block_ids)})")
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)   # the step's batch, running ones first
+    block_copies: list[BlockCopy] = field(default_factory=list)       # run in order, before the forward
     preempted: list[Request] = field(default_factory=list)   # blocks freed this step; they recompute later
     rejected: list[Request] = field(default_factory=list)     # shed in the queue (missed TTFT deadline)
 
@@ -32,4 +48,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.block_copies

@@ -315,7 +315,8 @@ class SLOController:
 
     def make_stats(self, step_token_budget: int) -> LatencyTargetStats:
         return LatencyTargetStats(self.max_running, self.step_time_s, self.num_rejected_at_arrival,
-                                  self.num_rejected_in_queue, self.step_cost.coefficients, step_token_budget)
+                                  self.num_rejected_in_queue, self.step_cost.coefficients, step_token_budget,
+                                  ttft_target_s=self.targets.ttft_s, tpot_target_s=self.targets.tpot_s)
 
     def prefill_seconds(self, num_prompt_tokens: int, num_decoding: int, token_budget: int) -> float:
         """The least time a prompt needs once scheduled: its chunks beside the running decodes."""

@@ -27,8 +27,8 @@ from kvserve.stats import StepCoefficients
 FORGETTING = 0.99
 # A calibration sample counts as this many steps: the first few real steps (often odd ones: a warm-up
 # request, one decode) must not swing the fit away from it, but real steps, which also pay for the
-# host's sampling and output work that the probe forwards lack (on the 2-core CPU a decode step took
-# 1.3-2.5x the calibrated estimate), should take over within a few dozen steps.
+# host's sampling and output work that the probe forwards lack (measured on the 2-core CPU: see
+# docs/slo_scheduling.md#what-it-does), should take over within a few dozen steps.
 CALIBRATION_WEIGHT = 2.0
 # Ridge term (relative to each feature's own scale) so that a fit of steps of one shape stays solvable.
 RIDGE = 1e-6

@@ -34,13 +34,18 @@ from pydantic import BaseModel, ValidationError
 
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.sched.slo import SLOTargets
 from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.sched.slo import SLOTargets
 from kvserve.server.config import ServerConfig, server_config_from_args
 from kvserve.server.errors import APIError, echo, format_validation_errors, install_error_handlers
 from kvserve.server.protocol import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      PrefixPinRequest, PrefixUnpinRequest, TokenizeRequest)
-from kvserve.server.serving import OpenAIServing, SSEStream
+from kvserve.server.serving_base import ServingContext, SSEStream
+from kvserve.server.serving_chat import OpenAIServingChat
+from kvserve.server.serving_completions import OpenAIServingCompletion
+from kvserve.server.serving_pins import OpenAIServingPins
+from kvserve.server.serving_tokenize import OpenAIServingTokenization
+from kvserve.stats import LatencyTargetStats
 
 logger = logging.getLogger("kvserve.server")
 
@@ -153,12 +158,16 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
         model_names = [config.served_model_name or default_model_name(engine.config.model_config.model,
                                                                       engine.source.path)]
     api_keys = config.load_api_keys()
-    # Prefix-cache stats: an immutable object the engine republishes after every step.
-    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0],
-                            prefix_stats=lambda: getattr(getattr(engine, "prefix", None), "stats", None),
-                            expert_load=getattr(engine, "expert_load", None), slo=_slo_targets(engine))
+    # Metrics read the snapshot the engine thread republishes (made from Engine.make_stats()); the
+    # latency targets come from the engine's own stats, asked here before its thread starts.
+    latency = engine.make_stats().scheduler.latency
+    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0], slo=_slo_targets(latency))
     async_engine.on_request_finished = metrics.observe_finished
-    serving = OpenAIServing(async_engine, config, model_names)
+    serving = ServingContext(async_engine, config, model_names)
+    completions_api = OpenAIServingCompletion(serving)
+    chat_api = OpenAIServingChat(serving)
+    tokenization_api = OpenAIServingTokenization(serving)
+    pins_api = OpenAIServingPins(serving)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -225,36 +234,37 @@ def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
     @app.post("/v1/completions", openapi_extra=_body_schema_ref(CompletionRequest))
     async def completions(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
         body = await read_body(request, CompletionRequest, config.max_request_bytes)
-        return _respond(await serving.create_completion(body, request, tenant))
+        return _respond(await completions_api.create_completion(body, request, tenant))
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema_ref(ChatCompletionRequest))
     async def chat_completions(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
         body = await read_body(request, ChatCompletionRequest, config.max_request_bytes)
-        return _respond(await serving.create_chat_completion(body, request, tenant))
+        return _respond(await chat_api.create_chat_completion(body, request, tenant))
 
     @app.post("/v1/tokenize", openapi_extra=_body_schema_ref(TokenizeRequest))
     async def tokenize(request: Request, _tenant: Optional[str] = Depends(authenticate)) -> Any:
-        return await serving.tokenize(await read_body(request, TokenizeRequest, config.max_request_bytes))
+        return await tokenization_api.tokenize(await read_body(request, TokenizeRequest, config.max_request_bytes))
 
     @app.post("/v1/detokenize", openapi_extra=_body_schema_ref(DetokenizeRequest))
     async def detokenize(request: Request, _tenant: Optional[str] = Depends(authenticate)) -> Any:
-        return await serving.detokenize(await read_body(request, DetokenizeRequest, config.max_request_bytes))
+        return await tokenization_api.detokenize(await read_body(request, DetokenizeRequest,
+                                                                 config.max_request_bytes))
 
     @app.post("/v1/prefix/pin", openapi_extra=_body_schema_ref(PrefixPinRequest),
               summary="pin a prefix in the prefix cache for a retention time (docs/prefix_caching.md)")
     async def pin_prefix(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
-        return await serving.pin_prefix(await read_body(request, PrefixPinRequest, config.max_request_bytes), tenant)
+        return await pins_api.pin_prefix(await read_body(request, PrefixPinRequest, config.max_request_bytes), tenant)
 
     @app.post("/v1/prefix/unpin", openapi_extra=_body_schema_ref(PrefixUnpinRequest))
     async def unpin_prefix(request: Request, tenant: Optional[str] = Depends(authenticate)) -> Any:
-        return await serving.unpin_prefix(await read_body(request, PrefixUnpinRequest, config.max_request_bytes),
-                                          tenant)
+        return await pins_api.unpin_prefix(await read_body(request, PrefixUnpinRequest, config.max_request_bytes),
+                                           tenant)
 
     @app.get("/v1/prefix/pins", summary="your tenant's active pins")
     async def list_pins(tenant: Optional[str] = Depends(authenticate),
                         requested: Optional[str] = Query(None, alias="tenant", max_length=256,
                                                          description="with --trust-request-tenant")) -> Any:
-        return await serving.list_pins(tenant, requested)
+        return await pins_api.list_pins(tenant, requested)
 
     # vLLM serves these at the root too; same handlers, kept out of the schema to avoid duplicates.
     app.add_api_route("/tokenize", tokenize, methods=["POST"], include_in_schema=False)
@@ -321,7 +331,7 @@ def run_server(args: argparse.Namespace) -> int:
     engine = Engine.from_options(**engine_options_from_args(args))
     freeze_startup_objects()
     app = build_app(AsyncEngine(engine), config)
-    log_level = getattr(args, "log_level", "warning")
+    log_level = args.log_level      # the global --log-level (kvserve/cli.py) sets uvicorn's too
     print(f"kvserve: serving {app.state.serving.model_name} on http://{config.host}:{config.port} "
           f"(KV cache {engine.kv_manager.capacity_tokens} tokens, max_model_len {engine.max_model_len})",
           flush=True)
@@ -330,7 +340,8 @@ def run_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slo_targets(engine: Any) -> Optional[SLOTargets]:
+def _slo_targets(latency: Optional[LatencyTargetStats]) -> Optional[SLOTargets]:
     """The targets the scheduler keeps (None without any): metrics judge requests by the same ones."""
-    slo = getattr(getattr(engine, "scheduler", None), "slo", None)
-    return slo.targets if slo is not None else None
+    if latency is None:
+        return None
+    return SLOTargets(ttft_s=latency.ttft_target_s, tpot_s=latency.tpot_target_s)

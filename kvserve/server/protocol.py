@@ -2,7 +2,7 @@
 
 Strict mode: a string where a number belongs, or 1.0 where an integer belongs, is a 400 naming the
 field, not a silent coercion. Range checks live in SamplingParams (one owner); what only the server
-can know (served model name, n limit, context length) lives in serving.py.
+can know (served model name, n limit, context length) lives in serving_base.py.
 
 Fields this server does not know are ignored, as vLLM does, so clients sending newer fields keep
 working; but a field it recognises from OpenAI or vLLM and does not implement (guided

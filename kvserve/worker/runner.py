@@ -1,8 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, samples.
 
-Owns the device tensors of the KV cache (one K and one V tensor per layer, NHD layout:
-[num_blocks, block_size, num_kv_heads, head_dim]) and the per-step metadata build. Metadata is
-built with numpy on the host and moved to the device in one copy per tensor.
+Holds the device KV store (kvserve/kvstore/store.py: the paged cache every layer reads), runs the
+step's block copies before its forward, and builds the per-step metadata. Metadata is built with
+numpy on the host and moved to the device in one copy per tensor.
 """
 
 from __future__ import annotations
@@ -12,13 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention.backend import get_attention_backend
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.kvstore import KVCacheSpec, KVCacheStore
+from kvserve.model.interfaces import CausalLM
+from kvserve.sched.output import BlockCopy, ScheduledRequest, SchedulerOutput
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
+from kvserve.worker.cuda_graphs import DecodeGraphs
+from kvserve.worker.forward_path import choose_forward
+from kvserve.worker.kv_sizing import spec_from_config
 from kvserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
-from kvserve.sched.output import ScheduledRequest, SchedulerOutput
-from kvserve.kvcache.quant import KVCacheSpec, spec_from_config
-from kvserve.model.cpu_linear import can_pack, pack_linears
+
+# The store the model reads; block copies name it (SchedulerOutput.block_copies).
+DEVICE_STORE = "device"
 
 
 @dataclass
@@ -43,27 +48,8 @@ class InflightStep:
         return [StepResult(request, token, None) for request, token in zip(self.requests, self.host_token_ids.tolist())]
 
 
-def prepare_model_for_backend(model: torch.nn.Module, backend, dtype: torch.dtype, device: torch.device) -> None:
-    """Packs the linears for the CPU path that runs them: the native kernels' panels, or oneDNN's
-    blocked layout for the torch path in fp32 (kvserve/model/cpu_linear.py). Idempotent."""
-    prepare = getattr(backend, "prepare", None)
-    if prepare is not None:
-        prepare(model, dtype)
-    elif can_pack(dtype, device):
-        pack_linears(model)
-
-
-def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype, kv_spec: KVCacheSpec | None = None) -> int:
-    """Bytes of K and V one token occupies across all layers: the model dtype's, or the paged-cache
-    bytes (payload + scales) of a KV format spec."""
-    if kv_spec is not None:
-        return kv_spec.bytes_per_token
-    num_kv_heads, head_dim = model.kv_head_shape
-    return 2 * model.num_kv_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, eos_token_ids: set[int],
                  attention_backend: str = "auto", kv_spec: KVCacheSpec | None = None,
                  max_num_seqs: int = 0) -> None:
@@ -76,17 +62,19 @@ class ModelRunner:
             kv_spec = spec_from_config(model, dtype, None)
         self.kv_spec = kv_spec
         # Quantized caches with a full-precision window or error feedback keep per-sequence state in
-        # rows: one per request that may run at once (see kvcache/quant.py).
+        # rows: one per request that may run at once (see kvserve/kvstore/quantized_part.py).
         self.num_kv_rows = max_num_seqs if kv_spec.needs_rows else 0
         if kv_spec.needs_rows and self.num_kv_rows < 1:
             raise ValueError("a KV format with a window, sinks or error feedback needs max_num_seqs >= 1")
-        self.kv_caches = kv_spec.allocate(num_blocks, block_size, device, self.num_kv_rows)
+        self.kv_store = KVCacheStore.allocate(kv_spec, num_blocks, block_size, device, self.num_kv_rows)
+        # Stores block copies may name; a KV tier registers its own (register_store).
+        self.kv_stores: dict[str, KVCacheStore] = {DEVICE_STORE: self.kv_store}
         self._kv_row_of: dict[str, tuple[int, Request]] = {}
         self._free_kv_rows = list(range(self.num_kv_rows - 1, -1, -1))
-        self.backend = get_attention_backend(device, attention_backend, model, dtype, self.kv_caches)
-        prepare_model_for_backend(model, self.backend, dtype, device)
+        self.forward_path = choose_forward(device, attention_backend, model, dtype, self.kv_store)
+        self.backend = self.forward_path.backend
         self.sampler = Sampler()
-        self.graphs: "DecodeGraphs | None" = None
+        self.graphs: DecodeGraphs | None = None
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -111,9 +99,9 @@ class ModelRunner:
             slots.append(self._slots(block_tables[request.request_id], start, end))
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)),
                                  num_decode_tokens=len(decodes))
-        kv_rows = self._assign_kv_rows(ordered) if self.num_kv_rows else None
+        kv_rows = self.assign_kv_rows(ordered) if self.num_kv_rows else None
         if kv_rows is not None:
-            token_rows, window_slots = self._kv_row_tensors(ordered, kv_rows)
+            token_rows, window_slots = self.kv_row_tensors(ordered, kv_rows)
             meta.kv_rows = self._to_device(token_rows)
             meta.kv_window_slots = self._to_device(window_slots)
             meta.decode_kv_rows = self._to_device(np.asarray(kv_rows[:len(decodes)], dtype=np.int64))
@@ -144,7 +132,7 @@ class ModelRunner:
         return ordered, input_ids, positions_t, meta
 
     # --- per-sequence rows of quantized caches (window ring, error-feedback residual) -----------
-    def _assign_kv_rows(self, items: list[ScheduledRequest]) -> list[int]:
+    def assign_kv_rows(self, items: list[ScheduledRequest]) -> list[int]:
         """Each item's row; rows of requests that finished or were preempted go back first. A
         request starting from position 0 (new, or recomputing after preemption) has its
         error-feedback residual cleared."""
@@ -165,15 +153,10 @@ class ModelRunner:
             rows.append(entry[0])
             if request.num_computed_tokens == 0:
                 fresh.append(entry[0])
-        if fresh and self.kv_spec.error_feedback:
-            index = torch.tensor(fresh, device=self.device)
-            for pair in self.kv_caches:
-                for part in pair:
-                    if getattr(part, "residual", None) is not None:
-                        part.residual.index_fill_(0, index, 0.0)
+        self.kv_store.clear_residuals(fresh)
         return rows
 
-    def _kv_row_tensors(self, items: list[ScheduledRequest], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def kv_row_tensors(self, items: list[ScheduledRequest], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(state row per token [T], ring rows per token [T, 2]: window, sink). Within a step, only
         the last `window` tokens of a request go to the window ring (earlier ones would be
         overwritten by later ones in the same copy, in no defined order)."""
@@ -198,6 +181,9 @@ class ModelRunner:
     def _forward(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
                  previous: InflightStep | None = None):
         """(ordered items, hidden states, sampled row offsets, their requests)."""
+        self.run_block_copies(sched_out.block_copies)
+        if not sched_out.scheduled:
+            return [], None, [], []
         ordered = None
         if self.graphs is not None:
             ordered, hidden = self.graphs.try_run(sched_out.scheduled, block_tables, previous)
@@ -205,7 +191,7 @@ class ModelRunner:
             ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables)
             self.feed_pending_tokens(input_ids, ordered, previous)
             with self._sdpa_backends():
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+                hidden = self.forward_path.run(self.model, input_ids, positions, self.kv_store, meta)
         sample_rows, row_requests, offset = [], [], 0
         for item in ordered:
             request = item.request
@@ -216,6 +202,23 @@ class ModelRunner:
                 row_requests.append(request)
             offset += item.num_new_tokens
         return ordered, hidden, sample_rows, row_requests
+
+    # --- block copies between KV stores -------------------------------------------------------
+    def register_store(self, name: str, store: KVCacheStore) -> None:
+        """Makes `store` nameable in block copies (a KV tier's host or disk staging store)."""
+        if name in self.kv_stores:
+            raise ValueError(f"a KV store named {name!r} is already registered")
+        self.kv_store.check_same_layout(store)
+        self.kv_stores[name] = store
+
+    def run_block_copies(self, copies: list[BlockCopy]) -> None:
+        """Runs the step's block copies in order, before its forward reads the cache."""
+        for copy in copies:
+            stores = [self.kv_stores.get(name) for name in (copy.source, copy.destination)]
+            if None in stores:
+                raise KeyError(f"block copy names an unknown KV store: {copy.source!r} -> {copy.destination!r} "
+                               f"(known: {sorted(self.kv_stores)})")
+            stores[0].copy_blocks(copy.src_block_ids, copy.dst_block_ids, stores[1])
 
     def _sampled_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
         if sample_rows[-1] - sample_rows[0] == len(sample_rows) - 1:
@@ -294,7 +297,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """Captures decode steps for a ladder of batch sizes (see DecodeGraphs)."""
-        if self.device.type != "cuda" or getattr(self.backend, "name", "") != "triton":
+        if self.device.type != "cuda" or self.forward_path.name != "triton":
             return
         if self.kv_spec.error_feedback:    # its store loops over tokens on the host: not capturable
             return
@@ -302,7 +305,7 @@ class ModelRunner:
 
     def _sdpa_backends(self):
         """Keeps SDPA off cuDNN: it builds a new plan for every new sequence length, which cost
-        1.5 ms of host time per layer per decode step on an H200 (measured with torch.profiler)."""
+        host time on every layer of every decode step (docs/architecture.md#attention)."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
@@ -338,122 +341,5 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         with torch.inference_mode(), self._sdpa_backends():
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            hidden = self.forward_path.run(self.model, input_ids, positions, self.kv_store, meta)
             self.model.compute_logits(hidden[:num_logit_rows])
-
-
-
-def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to the limit: padding wastes at most 15 rows."""
-    sizes = [size for size in (1, 2, 4, 8) if size <= max_batch_size]
-    sizes += list(range(16, max_batch_size + 1, 16))
-    if sizes[-1] != max_batch_size:
-        sizes.append(max_batch_size)
-    return sizes
-
-
-class DecodeGraphs:
-    """CUDA graphs of pure-decode steps, one per batch size on a ladder; a step pads to the next.
-
-    Decode steps are launch-bound at small batch (hundreds of small kernels per step), so replaying
-    a captured graph removes the host from the loop. The graphs read static buffers: token ids,
-    positions, slots (-1 = padding row, skipped by the store kernel), block tables at the full
-    width max_model_len / block_size (only the columns a step needs are refreshed: the kernel never
-    reads past a sequence's own blocks) and context lengths (0 = padding row). Steps with prefill
-    chunks, prompt logprobs or a batch over the largest size run eagerly.
-    """
-
-    def __init__(self, runner: ModelRunner, max_batch_size: int, max_model_len: int) -> None:
-        self.runner = runner
-        device = runner.device
-        self.sizes = graph_batch_sizes(max_batch_size)
-        largest = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
-        self.kv_window_slots = self.kv_rows = self.decode_kv_rows = None
-        if runner.num_kv_rows:
-            # Padding rows write to the rings' and residuals' trash rows and read nothing.
-            spec = runner.kv_spec
-            trash = runner.num_kv_rows * (spec.sinks + spec.window)
-            self.kv_window_slots = torch.full((largest, 2), trash, dtype=torch.long, device=device)
-            self.kv_rows = torch.full((largest,), runner.num_kv_rows, dtype=torch.long, device=device)
-            self.decode_kv_rows = torch.zeros(largest, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        # Largest first, so smaller graphs reuse the largest one's memory pool.
-        for size in reversed(self.sizes):
-            meta = self._meta(size)
-            with torch.inference_mode():
-                for _ in range(2):   # warm-up: triton compiles/autotunes outside the capture
-                    runner.model(self.input_ids[:size], self.positions[:size], runner.kv_caches, meta, runner.backend)
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = runner.model(self.input_ids[:size], self.positions[:size],
-                                                      runner.kv_caches, meta, runner.backend)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
-
-    def _meta(self, size: int) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
-                                 decode_block_tables=self.block_tables[:size],
-                                 decode_context_lens=self.context_lens[:size])
-        if self.kv_rows is not None:
-            meta.kv_window_slots = self.kv_window_slots[:size]
-            meta.kv_rows = self.kv_rows[:size]
-            meta.decode_kv_rows = self.decode_kv_rows[:size]
-        return meta
-
-    def try_run(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]],
-                previous: InflightStep | None = None):
-        """(ordered items, hidden [n, H]) from a graph replay, or (None, None) if the step does not fit."""
-        count = len(items)
-        if count > self.sizes[-1] or any(item.num_new_tokens != 1 or item.request.params.prompt_logprobs is not None
-                                         for item in items):
-            return None, None
-        size = next(s for s in self.sizes if s >= count)
-        block_size = self.runner.block_size
-        positions = np.fromiter((item.request.num_computed_tokens for item in items), dtype=np.int64, count=count)
-        token_ids = np.fromiter((item.request.last_token_id for item in items), dtype=np.int64, count=count)
-        tables = [block_tables[item.request.request_id] for item in items]
-        width = max(len(t) for t in tables)
-        table_array = np.zeros((size, width), dtype=np.int32)
-        for row, table in enumerate(tables):
-            table_array[row, :len(table)] = table
-        slots = np.full(size, -1, dtype=np.int64)
-        slots[:count] = table_array[np.arange(count), positions // block_size].astype(np.int64) * block_size \
-            + positions % block_size
-        context_lens = np.zeros(size, dtype=np.int32)
-        context_lens[:count] = positions + 1
-        padded_ids = np.zeros(size, dtype=np.int64)
-        padded_ids[:count] = token_ids
-        padded_pos = np.zeros(size, dtype=np.int64)
-        padded_pos[:count] = positions
-        self.input_ids[:size].copy_(torch.from_numpy(padded_ids), non_blocking=True)
-        self.runner.feed_pending_tokens(self.input_ids, items, previous)
-        self.positions[:size].copy_(torch.from_numpy(padded_pos), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.context_lens[:size].copy_(torch.from_numpy(context_lens), non_blocking=True)
-        self.block_tables[:size, :width].copy_(torch.from_numpy(table_array), non_blocking=True)
-        if self.kv_rows is not None:
-            # Whole `size` rows: a padding row must not keep a real row's ring slot from an earlier step.
-            rows = self.runner._assign_kv_rows(items)
-            token_rows, window_slots = self.runner._kv_row_tensors(items, rows)
-            spec, num_rows = self.runner.kv_spec, self.runner.num_kv_rows
-            padded_rows = np.full(size, num_rows, dtype=np.int64)
-            padded_rows[:count] = token_rows
-            padded_slots = np.full((size, 2), num_rows * (spec.sinks + spec.window), dtype=np.int64)
-            padded_slots[:count] = window_slots
-            decode_rows = np.zeros(size, dtype=np.int64)
-            decode_rows[:count] = token_rows
-            self.kv_rows[:size].copy_(torch.from_numpy(padded_rows), non_blocking=True)
-            self.decode_kv_rows[:size].copy_(torch.from_numpy(decode_rows), non_blocking=True)
-            self.kv_window_slots[:size].copy_(torch.from_numpy(padded_slots), non_blocking=True)
-        self.graphs[size].replay()
-        return items, self.outputs[size][:count]

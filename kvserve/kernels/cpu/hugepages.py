@@ -6,17 +6,11 @@ miss walks two levels of page tables), and the hardware prefetchers stop at page
 packed weights therefore live in one buffer of 2 MiB pages (`views`, used by
 model/cpu_native.pack_model).
 
-Measured on the 2-core development VM, default model, `kvserve bench --dtype bfloat16 --batch-sizes
-1,16,64 --input-len 200 --output-len 128`, runs alternated with KVSERVE_HUGE_PAGES=0
-(benchmarks/results/cpu_hugepages_e2e_ab_session9.json):
-- batch 1: +6.4% median over 4 pairs, all 4 faster;
-- batch 16 and 64: within noise (-0.5% and +2.0%).
-
-The KV cache was tried in huge pages too. `python benchmarks/cpu_hugepages_bench.py`
-(benchmarks/results/cpu_hugepages_ab.json) timed a batch-64 decode attention over 30 layers'
-caches at 4.5% faster. End to end, the cache and the weights together did no better than the
-weights alone over 10 alternated pairs, so the cache stays in ordinary pages. The medians of the two
-sets were +7.1% / -0.1% at batch 1, -3.9% / +0.9% at 16 and +0.5% / -0.3% at 64.
+On the 2-core development VM (`kvserve bench` alternated with KVSERVE_HUGE_PAGES=0) that made batch 1
+faster and left batch 16 and 64 within noise. The KV cache was tried in huge pages too
+(`python benchmarks/cpu/cpu_hugepages_bench.py` times the kernels alone): end to end the cache and the
+weights together did no better than the weights alone, so the cache stays in ordinary pages.
+Measured: see docs/cpu_performance.md#history.
 
 Most distributions ship THP in `madvise` mode, so a process gets huge pages only for ranges it
 marks. The range must be marked before its first touch: the kernel then backs it with huge pages

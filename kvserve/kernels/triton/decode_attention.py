@@ -47,8 +47,9 @@ LOG2_E = 1.4426950408889634
 MAX_SPLITS = 256
 # Splits the combine kernel reduces per iteration. Small on purpose: a launch rarely has more than
 # a few splits, and every masked-out row of the [chunk, head_dim] tile still costs its arithmetic.
-# At 64 the combine took 28 us per layer at batch 128 (11% of an H200 decode step for 3 splits). A
-# constant, not the next power of two of num_splits, so a new split count never compiles a variant.
+# At 64 the combine was a tenth of a batch-128 decode step on an H200 (measured:
+# docs/gpu_performance.md#decode-throughput-by-batch-size). A constant, not the next power of two
+# of num_splits, so a new split count never compiles a variant.
 COMBINE_SPLIT_CHUNK = 8
 # Programs of the split kernel resident per SM before the first launch has told us (then the
 # compiled kernel's registers and shared memory give the real figure): ~5 on an H100/H200 for the
@@ -59,10 +60,10 @@ DEFAULT_RESIDENT_PER_SM = 4
 WAVE_EFFICIENCY_SLACK = 0.9
 # From this share of the resident slots on, one split per (sequence, KV head): that many programs
 # already stream at the copy bandwidth, and splitting only adds partials, a combine and a second
-# wave. Measured on an H200 (benchmarks/results/gpu_h200_attention_split_sweep_session9.json, 660
-# slots): 512 programs (0.78) ran 1 split in 79.6 / 141.1 / 264.7 / 513.6 us at contexts 1k / 2k /
-# 4k / 8k against 89.5 / 153.4 / 273.8 / 515.3 us for the wave-filling choice; at 384 programs
-# (0.58) the wave-filling 5 splits won from 4k on (209.6 vs 214.5 us), one split below.
+# wave. Measured on an H200 (benchmarks/results/kernels/h200_attention_split_sweep.json, 660 slots):
+# at 512 programs (0.78) one split beat the wave-filling choice at contexts 1k-8k; at 384 programs
+# (0.58) the wave-filling 5 splits won from 4k on, one split below (figures:
+# docs/gpu_performance.md#decode-throughput-by-batch-size).
 SINGLE_SPLIT_FILL = 0.75
 
 
@@ -106,11 +107,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, devic
     With SINGLE_SPLIT_FILL of the slots or more programs unsplit, one split. Below that, the split
     kernel's programs all do about the same work, so time goes in waves of `resident_per_sm * SMs`
     programs: a last wave that is mostly empty wastes bandwidth (64 sequences x 4 KV heads x 3
-    splits = 768 programs on 660 slots ran at 78% of the copy bandwidth on an H200, 32 x 4 x 5 = 640
-    at 102%). Among split counts whose splits are at least min_split_tokens long at
-    `max_context_len`, take the smallest whose wave efficiency (waves / ceil(waves)) is within
-    WAVE_EFFICIENCY_SLACK of the best; below one wave, efficiency grows with the split count, so an
-    underfilled GPU gets as many splits as the context allows.
+    splits = 768 programs on 660 slots against 32 x 4 x 5 = 640; measured:
+    docs/gpu_performance.md#decode-attention-kernel). Among split counts whose splits are at least
+    min_split_tokens long at `max_context_len`, take the smallest whose wave efficiency (waves /
+    ceil(waves)) is within WAVE_EFFICIENCY_SLACK of the best; below one wave, efficiency grows with
+    the split count, so an underfilled GPU gets as many splits as the context allows.
     """
     config = config or DecodeConfig()
     slots = (resident_per_sm or DEFAULT_RESIDENT_PER_SM) * num_sms(device)

@@ -31,11 +31,11 @@ The cache block size is a compile-time constant (a position's block and offset a
 mask, not an integer division per row and register layout), and the 2-byte scale gathers run one
 tile ahead of their use from block ids loaded one tile earlier still; by default (`ids_ahead`) the
 payload loads take their block ids from that run-ahead load too, so each tile waits on one
-global-memory round trip, not two. The loop is latency-bound (by our count it issues in ~40% of the
-cycles at 32k context on an H200), so the default launch buys bytes per iteration (tiles of 128
+global-memory round trip, not two. The loop is latency-bound (by our count; measured:
+docs/kv_quantization.md#measurements), so the default launch buys bytes per iteration (tiles of 128
 positions) and programs per SM (a register cap for 8-bit parts): see default_quant_decode_config.
 Positions that a part's full-precision window holds (sinks and the most recent tokens,
-kvserve.kvcache.quant) are not in the quantized loop: each split runs its quantized positions,
+kvserve.kvstore) are not in the quantized loop: each split runs its quantized positions,
 then the ring positions that fall in it, read exactly from the ring (or the plain cache of a
 full-precision part).
 
@@ -46,7 +46,7 @@ its partial outputs. With a window, the pipelined splits skip the ring's positio
 kernel runs only those (RING_ONLY: one split over the whole context) into one more workspace slot,
 which the combine kernel merges too (EXTRA_SPLIT). On sm_90 that launch (OVERLAP) and the combine
 use programmatic dependent launch: the ring's programs run beside the pipelined kernel's, and only
-their exit waits for it (measured: the int4 default 0.207 -> 0.203 ms, docs/kv_quantization.md).
+their exit waits for it (measured: docs/kv_quantization.md#kernels).
 
 Generic kernel (`_decode_split_quant_generic_kernel`): any head_dim and group, dequantizes each
 tile element by element in fp32 and overlays ring rows; used where the fast one does not apply.
@@ -777,9 +777,8 @@ def _decode_split_quant_generic_kernel(
 
 # --- host ---------------------------------------------------------------------------------------
 _quant_resident_per_sm: dict[tuple, int] = {}
-# The pipelined kernel's splits fill 2 programs per SM even where 3 fit: on an H200 (32k context,
-# batch 32, Qwen-7B, int4, 128-position tiles of one KV head, 3 resident) 3 splits took 0.225 ms
-# against 0.202 for 2 (groups of 64) and 0.221 against 0.194 (groups of 128); docs/kv_quantization.md.
+# The pipelined kernel's splits fill 2 programs per SM even where 3 fit: on an H200 3 were slower in
+# every sweep (measured: docs/kv_quantization.md#measurements).
 PIPELINED_SPLIT_RESIDENT = 2
 
 

@@ -20,15 +20,15 @@ TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def default_quant_decode_config(head_dim: int, dtype: torch.dtype, int4: bool = False) -> DecodeConfig:
     """The fast kernel's launch shape for 16-bit queries (decode_attention's otherwise).
 
-    Measured on an H200 at 32k context, batch 32, Qwen-7B attention (benchmarks/kv_quant_variants.py,
-    benchmarks/results/kv_quant_variants_h200.json): the loop is latency-bound, not bound by its
-    instruction count (it issues in ~40% of the cycles), so what pays is bytes per iteration and
-    programs per SM. Tiles of 128 positions under 4 warps (twice the bytes of 64: int8 0.50 -> 0.40
-    ms); block ids one iteration ahead, so the payload loads wait on one round trip, not two; and for
-    8-bit parts a cap of 128 registers (4 programs per SM instead of 3: 0.40 -> 0.38 ms). int4 parts
-    (`int4`: either part is int4) spill under that cap and ran slower with it (0.39 -> 0.43 ms); they
-    get 168, which keeps 3 programs per SM when a full-precision window's loop needs more (212
-    registers uncapped: 2 per SM, 0.53 ms)."""
+    Measured on an H200 at 32k context, batch 32, Qwen-7B attention
+    (benchmarks/kernels/kv_quant_variants.py, benchmarks/results/kernels/h200_kv_quant_variants.json;
+    figures: docs/kv_quantization.md#measurements): the loop is latency-bound, not bound by its
+    instruction count, so what pays is bytes per iteration and programs per SM. Tiles of 128
+    positions under 4 warps (twice the bytes of 64); block ids one iteration ahead, so the payload
+    loads wait on one round trip, not two; and for 8-bit parts a cap of 128 registers (4 programs per
+    SM instead of 3). int4 parts (`int4`: either part is int4) spill under that cap and ran slower
+    with it; they get 168, which keeps 3 programs per SM when a full-precision window's loop needs
+    more (212 registers uncapped: 2 per SM)."""
     config = default_decode_config(head_dim, dtype)
     if interpreting() or dtype == torch.float32:
         return config

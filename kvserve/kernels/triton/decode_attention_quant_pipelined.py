@@ -40,10 +40,8 @@ nibbles of even/odd bytes). A group's scale reaches its dots through the probabi
 unnormalised), and the values' offset term through one more dot of those weights with a constant
 operand. With the KV heads in fours, each of a program's 4 warps runs its own KV head
 (HEAD_WARPS), so a position's 4 heads' rows, adjacent in the cache, are copied as one piece.
-Measured on an H200 (32k context, batch 32; five runs in
-benchmarks/results/kv_quant_attention_h200_session13*.json): int4 2.53-2.55x bf16 with groups of 32,
-2.87-2.89x with groups of 128, 2.50-2.52x for the int4 default with its window (Qwen-7B attention);
-2.58-2.62x, 2.96-3.05x and 2.54-2.60x (Llama-8B).
+Measured on an H200 (32k context, batch 32; benchmarks/results/kernels/h200_kv_quant_attention_*.json):
+see the README's table and docs/kv_quantization.md#measurements.
 With programmatic dependent launch (PDL: _common.pdl_enabled) the kernel lets the launches after it
 be scheduled from its start: the window's (decode_attention_quant, OVERLAP) runs beside it.
 """
@@ -601,11 +599,9 @@ if HAVE_GLUON:
 def head_warps(num_kv_heads: int, int4: bool) -> bool:
     """Whether a program's 4 warps each run their own KV head (HEAD_WARPS): for int4 caches whose KV
     heads come in fours. A position's 4 heads' 64-byte int4 rows are adjacent in the cache; copied
-    together they take a quarter of the cache lines per copy instruction, and on an H200 (32k
-    context, batch 32) int4 groups of 32 went from 0.211 to 0.198 ms on Qwen-7B and from 0.420 to
-    0.377 ms on Llama-8B (docs/kv_quantization.md). 8-bit rows (128 bytes) gained nothing (int8
-    0.293 -> 0.297 and 0.566 -> 0.592 ms): they keep one KV head per program, its warps on quarters
-    of each tile's positions."""
+    together they take a quarter of the cache lines per copy instruction, which made int4 faster on
+    an H200; 8-bit rows (128 bytes) gained nothing (measured: docs/kv_quantization.md#measurements):
+    they keep one KV head per program, its warps on quarters of each tile's positions."""
     return int4 and num_kv_heads % NUM_WARPS == 0
 
 
@@ -617,8 +613,8 @@ def pipelined_programs_per_sequence(num_kv_heads: int, int4: bool) -> int:
 def pipelined_config(num_kv_heads: int = 1, int4: bool = False) -> DecodeConfig:
     """Launch shape: 2 ring slots, so one tile is in flight while one is computed; tiles of 64
     positions with each warp on its own KV head, else of 128 (32 per warp). Measured on an H200 at
-    32k context, batch 32, bf16 queries (docs/kv_quantization.md): 8-bit caches, 128 beats 64 with 2
-    or 3 slots; int4 with head warps, 64 beats 32 (groups of 32: 0.198 against 0.206 ms on Qwen-7B)."""
+    32k context, batch 32, bf16 queries: 8-bit caches, 128 beats 64 with 2 or 3 slots; int4 with
+    head warps, 64 beats 32 (figures: docs/kv_quantization.md#measurements)."""
     return DecodeConfig(tile=64 if head_warps(num_kv_heads, int4) else 128, num_warps=NUM_WARPS, num_stages=2,
                         min_split_tokens=128)
 

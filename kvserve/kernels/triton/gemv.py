@@ -1,9 +1,9 @@
 """Skinny GEMM for decode at small batch: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 16.
 
 At batch 1 a decode step is a chain of matrix-vector products whose only cost is streaming the
-weights: the step's time is bytes / bandwidth. cuBLAS's GEMV-shaped kernels reach about 79% of the
-H200's copy bandwidth on the R1-Distill-Qwen-7B chain (BENCHMARKS.md); this kernel exists to do
-better where it measures better (`benchmarks/gemv_bench.py`).
+weights: the step's time is bytes / bandwidth. cuBLAS's GEMV-shaped kernels fall well short of the
+H200's copy bandwidth on the R1-Distill-Qwen-7B chain; this kernel exists to do better where it
+measures better (`benchmarks/kernels/gemv_bench.py`; measured: docs/gpu_performance.md#decode-throughput-by-batch-size).
 
 Shape of the kernel: each program owns BLOCK_N output features and walks K in BLOCK_K steps; the
 weight tile [BLOCK_N, BLOCK_K] is loaded once (software-pipelined over `num_stages` tiles) and
@@ -117,10 +117,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N
 
 
 def default_config(n: int, k: int) -> GemvConfig:
-    """Launch shape by weight shape, from `benchmarks/gemv_bench.py --sweep` on an H200 over the
-    R1-Distill-Qwen-7B layers (benchmarks/results/gemv_h200.json). A sweep's per-layer winners for
-    o_proj (split 2) and down (split 3) made the whole decode step slower in the engine (3.64 vs
-    3.57 ms of GEMV time per batch-1 step), so these are the shapes the step measured best with."""
+    """Launch shape by weight shape, from `benchmarks/kernels/gemv_bench.py --sweep` on an H200 over
+    the R1-Distill-Qwen-7B layers (benchmarks/results/kernels/h200_gemv_sweep.json). A sweep's
+    per-layer winners for o_proj (split 2) and down (split 3) made the whole decode step slower in
+    the engine, so these are the shapes the step measured best with (measured:
+    docs/gpu_performance.md#decode-throughput-by-batch-size)."""
     if k >= 4 * n and cdiv(n, 64) < 2 * 132:
         # K >> N (the MLP's down projection): too few output tiles to keep every SM streaming, so two
         # programs share each tile along K.

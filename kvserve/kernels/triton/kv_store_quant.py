@@ -1,6 +1,6 @@
 """Quantize-on-write store of one part (K or V) of a quantized paged cache.
 
-Reference: `QuantizedKVCache.store` in kvserve.kvcache.quant (payload + fp16 scales; the window
+Reference: `QuantizedKVCache.store` in kvserve.kvstore (payload + fp16 scales; the window
 ring copy is a plain index_copy_ the backend does in torch). One program per token quantizes all
 of its KV heads: dynamic scales are absmax / qmax per group of GROUP head_dim elements, rounded to
 fp16 before use so the reader multiplies by exactly the stored scale. int4 packs element i (low

@@ -74,8 +74,9 @@ def _rotary_kernel(qk_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 # Heads per program. A program holding all of a token's heads (a [64, 64] tile for Llama-8B's 40 q+k
-# heads) needed 178 registers per thread: 2 programs per SM, and a 16k-token prefill chunk took 356 us
-# per layer (torch.profiler, H200) for ~0.4 GB of traffic. Eight heads per program keep the tile small.
+# heads) needed 178 registers per thread: 2 programs per SM, and a 16k-token prefill chunk was slow
+# for its ~0.4 GB of traffic (measured: docs/gpu_performance.md#decode-throughput-by-batch-size).
+# Eight heads per program keep the tile small.
 HEADS_PER_PROGRAM = 8
 
 
@@ -100,7 +101,7 @@ def rotary_and_store_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
                         slot_mapping: torch.Tensor) -> None:
     """The fused QKV output [T, (heads + 2 kv_heads) * D]: rotates q and k in place and writes the
     rotated keys and the values to cache slots `slot_mapping` (-1: skip), one kernel for what
-    rotary_inplace + kv_store.store_kv do in two (at batch 1, one launch of ~1.5 us per layer less).
+    rotary_inplace + kv_store.store_kv do in two (one launch per layer less).
     Caches [num_blocks, block_size, kv_heads, D], NHD, in any dtype (cast on store)."""
     num_tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:

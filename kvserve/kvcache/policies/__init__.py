@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import Optional
 
 from kvserve.config import EVICTION_POLICIES
-from kvserve.kvcache.policies.adaptive import AdaptivePolicy, AdaptiveSnapshot, default_arms
+from kvserve.kvcache.policies.adaptive import AdaptivePolicy, default_arms
 from kvserve.kvcache.policies.base import MAX_HISTORY, AccessStats, EvictionPolicy, note_continuation
 from kvserve.kvcache.policies.evictor import Evictor
 from kvserve.kvcache.policies.heat import FanoutPolicy, LRUKPolicy
 from kvserve.kvcache.policies.lfu_age import LFUAgePolicy
 from kvserve.kvcache.policies.lru import LRUPolicy
 
-__all__ = ["MAX_HISTORY", "AccessStats", "AdaptivePolicy", "AdaptiveSnapshot", "EvictionPolicy", "Evictor",
+__all__ = ["MAX_HISTORY", "AccessStats", "AdaptivePolicy", "EvictionPolicy", "Evictor",
            "FanoutPolicy", "LFUAgePolicy", "LRUKPolicy", "LRUPolicy", "default_arms", "make_policy",
            "note_continuation"]
 

@@ -29,6 +29,7 @@ from kvserve.kvcache.policies.evictor import Evictor
 from kvserve.kvcache.policies.heat import FanoutPolicy, LRUKPolicy
 from kvserve.kvcache.policies.lfu_age import LFUAgePolicy
 from kvserve.kvcache.policies.lru import LRUPolicy
+from kvserve.stats import AdaptivePolicyStats
 
 logger = logging.getLogger("kvserve.prefix_cache")
 
@@ -109,14 +110,6 @@ class Arm:
     @property
     def label(self) -> str:
         return self.policy.label
-
-
-@dataclass(frozen=True)
-class AdaptiveSnapshot:
-    active: str
-    num_switches: int
-    shadow_hit_rates: dict[str, float]        # discounted, per arm label
-    recent_decisions: tuple[str, ...]
 
 
 class AdaptivePolicy(EvictionPolicy):
@@ -221,5 +214,5 @@ class AdaptivePolicy(EvictionPolicy):
         if self.on_switch is not None:
             self.on_switch()
 
-    def snapshot(self) -> AdaptiveSnapshot:
-        return AdaptiveSnapshot(self.label, self.num_switches, self.shadow_hit_rates(), tuple(self._decisions))
+    def snapshot(self) -> AdaptivePolicyStats:
+        return AdaptivePolicyStats(self.label, self.num_switches, self.shadow_hit_rates(), tuple(self._decisions))

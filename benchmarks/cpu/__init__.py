@@ -1,0 +1,1 @@
+"""Benchmark scripts: cpu (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmark scripts: engine (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmark scripts: kernels (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmark scripts: kv (see benchmarks/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmark scripts: serving (see benchmarks/README.md)."""

@@ -1,0 +1,269 @@
+"""KVCacheStore: the one owner of a model's KV bytes.
+
+Per layer, two parts (K and V; for MLA the latent and the RoPE key). A part is held in the form its
+kernels read: a plain paged tensor `[num_blocks, block_size, kv_heads, width]` for full-precision
+formats, or a `QuantizedKVCache` (payload, scales, full-precision window ring, error-feedback
+residual) for quantized ones. The store decides that form once, at allocation, from the spec; code
+above asks the store (`LayerKV.full_precision`, `is_quantized`) instead of testing types itself.
+
+What a block is: every block-indexed tensor of every layer and part (plain tensor, or payload +
+scales), so moving a block moves all of it. Static per-channel scales are per layer, identical in
+any two stores of one spec, and never move. Per-sequence state (the window ring and the residual
+of a running sequence, indexed by a row, not a block) moves with `copy_rows`.
+
+Transfers:
+- `copy_blocks(src_ids, dst_ids, dst_store)` between two stores of the same layout on any devices
+  (GPU <-> pinned host): on one device, per tensor gather + scatter; across devices, the blocks are
+  packed into one byte buffer on the source device, moved in one copy, and unpacked.
+- `read_blocks(ids)` / `write_blocks(ids, data)`: blocks to and from a flat host byte buffer
+  `[n, block_nbytes]` (uint8), one row per block, as a disk or network tier stores them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple, Sequence, Union
+
+import torch
+
+from kvserve.kvstore.formats import SCALE_DTYPE, KVFormat
+from kvserve.kvstore.quantized_part import QuantizedKVCache
+from kvserve.kvstore.spec import KVCacheSpec
+
+KVPart = Union[torch.Tensor, QuantizedKVCache]
+BlockIds = Union[Sequence[int], torch.Tensor]
+
+
+def is_quantized(part: KVPart) -> bool:
+    """Whether a part is stored in a quantized format (else it is a plain paged tensor)."""
+    return isinstance(part, QuantizedKVCache)
+
+
+class LayerKV(NamedTuple):
+    """One layer's two parts, in the forms the kernels read (unpacks as `key, value = layer`)."""
+
+    key: KVPart
+    value: KVPart
+
+    @property
+    def full_precision(self) -> bool:
+        """Both parts are plain tensors: the fused full-precision kernels may write and read them."""
+        return not (is_quantized(self.key) or is_quantized(self.value))
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """What two stores must share for blocks to move between them byte for byte."""
+
+    spec_kind: str
+    formats: tuple[tuple[KVFormat, KVFormat], ...]
+    num_kv_heads: int
+    part_dims: tuple[int, int]
+    model_dtype: torch.dtype
+    block_size: int
+    window: int
+    sinks: int
+    error_feedback: bool
+
+
+class KVCacheStore:
+    """The paged KV of every layer, allocated from a spec, with block and row transfer."""
+
+    def __init__(self, spec: KVCacheSpec, layers: list[LayerKV], num_blocks: int, block_size: int,
+                 num_rows: int, device: torch.device) -> None:
+        self.spec = spec
+        self.layers = layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_rows = num_rows
+        self.device = device
+        self.layout = StoreLayout(type(spec).__name__, tuple(tuple(pair) for pair in spec.layer_formats),
+                                  spec.num_kv_heads, tuple(spec.part_dims()), spec.model_dtype, block_size,
+                                  spec.window, spec.sinks, spec.error_feedback)
+        self._block_tensors = [tensor for layer in layers for part in layer for tensor in _block_tensors(part)]
+        self._block_bytes = [tensor[0].numel() * tensor.element_size() for tensor in self._block_tensors]
+
+    @classmethod
+    def allocate(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device | str,
+                 num_rows: int = 0, pin_memory: bool = False) -> "KVCacheStore":
+        """Zeroed blocks for every layer and part (int4 payloads hold the code of 0.0, so a block
+        never written reads as zeros), and `num_rows` rows of per-sequence state where the spec
+        keeps any. `pin_memory` (host stores only) makes copies to and from a GPU asynchronous."""
+        device = torch.device(device)
+        if pin_memory and device.type != "cpu":
+            raise ValueError("pin_memory applies to host stores only")
+        if spec.needs_rows and num_rows < 1:
+            raise ValueError("a KV format with a window, sinks or error feedback needs num_rows >= 1")
+        allocator = _Allocator(spec, num_blocks, block_size, device, num_rows, pin_memory)
+        layers, parts = [], []
+        for layer, part_name, fmt, dim in spec.part_layouts():
+            parts.append(allocator.part(layer, part_name, fmt, dim))
+            if len(parts) == 2:
+                layers.append(LayerKV(*parts))
+                parts = []
+        return cls(spec, layers, num_blocks, block_size, num_rows if spec.needs_rows else 0, device)
+
+    # --- the layers, as the model reads them ----------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    def __iter__(self) -> Iterator[LayerKV]:
+        return iter(self.layers)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block over all layers and parts: a row of `read_blocks`."""
+        return sum(self._block_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole store: blocks and per-sequence state."""
+        rows = sum(t.numel() * t.element_size() for part in self._quantized_parts()
+                   for t in (part.window, part.residual) if t is not None)
+        return self.block_nbytes * self.num_blocks + rows
+
+    def quantized_parts(self) -> list[QuantizedKVCache]:
+        return list(self._quantized_parts())
+
+    def _quantized_parts(self) -> Iterator[QuantizedKVCache]:
+        return (part for layer in self.layers for part in layer if is_quantized(part))
+
+    # --- per-sequence state -----------------------------------------------------------------------
+    def clear_residuals(self, rows: Sequence[int]) -> None:
+        """Zero the error-feedback residual of `rows` (a sequence starting from position 0)."""
+        if not rows or not self.spec.error_feedback:
+            return
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        for part in self._quantized_parts():
+            if part.residual is not None:
+                part.residual.index_fill_(0, index, 0.0)
+
+    def copy_rows(self, src_rows: Sequence[int], dst_rows: Sequence[int], dst: "KVCacheStore") -> None:
+        """Per-sequence state (window ring rows, residuals) of `src_rows` into `dst_rows` of `dst`."""
+        self.check_same_layout(dst)
+        if len(src_rows) != len(dst_rows):
+            raise ValueError(f"copy_rows got {len(src_rows)} source rows and {len(dst_rows)} destination rows")
+        for name, rows, store in (("source", src_rows, self), ("destination", dst_rows, dst)):
+            if any(not 0 <= row < store.num_rows for row in rows):
+                raise IndexError(f"{name} row out of range [0, {store.num_rows})")
+        if not src_rows:
+            return
+        ring = self.spec.sinks + self.spec.window
+        src_ring = _ring_index(src_rows, ring, self.device)
+        dst_ring = _ring_index(dst_rows, ring, dst.device)
+        src_index = torch.as_tensor(list(src_rows), dtype=torch.long, device=self.device)
+        dst_index = torch.as_tensor(list(dst_rows), dtype=torch.long, device=dst.device)
+        for mine, theirs in zip(self._quantized_parts(), dst._quantized_parts()):
+            if mine.window is not None:
+                theirs.window.index_copy_(0, dst_ring, mine.window.index_select(0, src_ring).to(dst.device))
+            if mine.residual is not None:
+                theirs.residual.index_copy_(0, dst_index, mine.residual.index_select(0, src_index).to(dst.device))
+
+    # --- blocks -----------------------------------------------------------------------------------
+    def copy_blocks(self, src_ids: BlockIds, dst_ids: BlockIds, dst: "KVCacheStore") -> None:
+        """Blocks `src_ids` of this store into blocks `dst_ids` of `dst` (same layout, any device)."""
+        self.check_same_layout(dst)
+        src_index = self._block_index(src_ids)
+        dst_index = dst._block_index(dst_ids)
+        if src_index.numel() != dst_index.numel():
+            raise ValueError(f"copy_blocks got {src_index.numel()} source and {dst_index.numel()} destination blocks")
+        if not src_index.numel():
+            return
+        if self.device == dst.device:
+            for mine, theirs in zip(self._block_tensors, dst._block_tensors):
+                theirs.index_copy_(0, dst_index, mine.index_select(0, src_index))
+            return
+        dst._scatter_bytes(dst_index, self._gather_bytes(src_index).to(dst.device))
+
+    def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
+        """Blocks -> a host byte buffer [len(block_ids), block_nbytes] (uint8), one row per block."""
+        return self._gather_bytes(self._block_index(block_ids)).cpu()
+
+    def write_blocks(self, block_ids: BlockIds, data: torch.Tensor) -> None:
+        """A byte buffer from `read_blocks` (of a store with the same layout) -> blocks `block_ids`."""
+        index = self._block_index(block_ids)
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape != (index.numel(), self.block_nbytes):
+            raise ValueError(f"write_blocks wants uint8 [{index.numel()}, {self.block_nbytes}], "
+                             f"got {data.dtype} {list(data.shape)}")
+        if index.numel():
+            self._scatter_bytes(index, data.to(self.device))
+
+    def _gather_bytes(self, index: torch.Tensor) -> torch.Tensor:
+        count = index.numel()
+        pieces = [tensor.index_select(0, index).reshape(count, -1).view(torch.uint8)
+                  for tensor in self._block_tensors]
+        return torch.cat(pieces, dim=1)
+
+    def _scatter_bytes(self, index: torch.Tensor, data: torch.Tensor) -> None:
+        count = index.numel()
+        for tensor, piece in zip(self._block_tensors, data.split(self._block_bytes, dim=1)):
+            values = piece.contiguous().view(tensor.dtype).view(count, *tensor.shape[1:])
+            tensor.index_copy_(0, index, values)
+
+    def _block_index(self, block_ids: BlockIds) -> torch.Tensor:
+        index = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
+            raise IndexError(f"block id out of range [0, {self.num_blocks})")
+        return index.to(self.device)
+
+    def check_same_layout(self, other: "KVCacheStore") -> None:
+        if other.layout != self.layout:
+            raise ValueError(f"KV stores differ in layout: {self.layout} vs {other.layout}")
+        for mine, theirs in zip(self._quantized_parts(), other._quantized_parts()):
+            if mine.static_scale is not None and not torch.equal(mine.static_scale.cpu(), theirs.static_scale.cpu()):
+                raise ValueError("KV stores differ in their static scales")
+
+
+def _block_tensors(part: KVPart) -> list[torch.Tensor]:
+    """The tensors of a part indexed by block on dim 0."""
+    if not is_quantized(part):
+        return [part]
+    return [part.payload] + ([part.scales] if part.scales is not None else [])
+
+
+def _ring_index(rows: Sequence[int], ring: int, device: torch.device) -> torch.Tensor:
+    rows_t = torch.as_tensor(list(rows), dtype=torch.long)
+    return (rows_t[:, None] * ring + torch.arange(ring)[None, :]).reshape(-1).to(device)
+
+
+class _Allocator:
+    """Allocation of one store's parts (kept apart so KVCacheStore's methods are its transfers)."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
+                 num_rows: int, pin_memory: bool) -> None:
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
+        self.device, self.num_rows, self.pin = device, num_rows, pin_memory
+
+    def zeros(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=self.device, pin_memory=self.pin)
+
+    def part(self, layer: int, part_name: str, fmt: KVFormat, dim: int) -> KVPart:
+        spec, heads = self.spec, self.spec.num_kv_heads
+        paged = (self.num_blocks, self.block_size, heads)
+        if not fmt.quantized:
+            return self.zeros(*paged, dim, dtype=fmt.storage_dtype(spec.model_dtype))
+        payload = self.zeros(*paged, fmt.payload_width(dim), dtype=fmt.storage_dtype(spec.model_dtype))
+        if fmt.name == "int4":
+            payload.fill_(0x88)          # codes of 0.0: a never-written slot reads as zeros
+        groups = fmt.num_scale_groups(dim)
+        scales = None
+        if groups:
+            scales = self.zeros(*paged, groups, dtype=SCALE_DTYPE)
+            scales.fill_(1.0)
+        static = None
+        if fmt.static_scales:
+            name = f"layers.{layer}.{part_name}"
+            if name not in spec.static_scales:
+                raise ValueError(f"the KV scales file has no scales for {name}")
+            static = spec.static_scales[name].to(device=self.device, dtype=torch.float32).contiguous()
+        window = residual = None
+        if spec.needs_rows and (spec.window or spec.sinks):
+            # The last row takes the writes that must be dropped, so a store never branches.
+            window = self.zeros(self.num_rows * (spec.sinks + spec.window) + 1, heads, dim, dtype=spec.model_dtype)
+        if spec.needs_rows and spec.error_feedback:
+            residual = self.zeros(self.num_rows + 1, heads, dim, dtype=torch.float32)
+        return QuantizedKVCache(fmt, payload, scales, dim, spec.model_dtype, static, spec.window, spec.sinks,
+                                window, residual)

@@ -1,0 +1,74 @@
+"""What the folder and GGUF readers share: the error type, `ModelSource` (what `resolve_model` returns),
+the architectures the engine runs, and the cache folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Protocol
+
+import torch
+import transformers
+
+from kvserve import envs
+
+# Architectures (config.json "architectures" names) the engine can run.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV2ForCausalLM",
+                                             "DeepseekV3ForCausalLM")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+class ModelLoadError(Exception):
+    """The model could not be found or read; the message names the path and the problem."""
+
+
+class CheckpointReader(Protocol):
+    """What a checkpoint format gives a `ModelSource`: its tensors and its tokenizer."""
+
+    def iter_weights(self, hf_config: transformers.PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]: ...
+
+
+@dataclass
+class ModelSource:
+    path: str                                  # absolute path of the folder or the .gguf file
+    hf_config: transformers.PretrainedConfig   # LlamaConfig / Qwen2Config / ...
+    architecture: str                          # e.g. "LlamaForCausalLM"
+    load_format: str = "auto"                  # "auto" or "dummy"
+    checkpoint_format: str = "safetensors"     # "safetensors" or "gguf"
+    weight_files: tuple[str, ...] = ()         # safetensors files (absolute paths), in reading order
+    _reader: Optional[CheckpointReader] = field(default=None, repr=False, compare=False)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.checkpoint_format == "gguf"
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_parameter_name, cpu_tensor)`` one tensor at a time.
+
+        Safetensors tensors come in the checkpoint's dtype; GGUF tensors in float32 when quantized (else their
+        float dtype). A tied ``lm_head.weight`` is not yielded (``hf_config.tie_word_embeddings`` says so).
+        """
+        if self.load_format == "dummy":
+            raise ModelLoadError(
+                f"{self.path}: load_format='dummy' has no weights to read (the model is initialised with random "
+                f"weights); use load_format='auto' to read the checkpoint")
+        assert self._reader is not None
+        return self._reader.iter_weights(self.hf_config)
+
+    def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]:
+        """The model's tokenizer (with its chat template); None for a folder without tokenizer files,
+        which can still serve prompts given as token ids (as vLLM's skip_tokenizer_init)."""
+        assert self._reader is not None
+        return self._reader.load_tokenizer()
+
+
+def kvserve_cache_dir() -> str:
+    """``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``."""
+    return envs.cache_dir()
+
+
+def check_architecture(arch: str, path: str, supported: tuple[str, ...]) -> None:
+    if arch not in supported:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r}; supported architectures: {', '.join(supported)}")

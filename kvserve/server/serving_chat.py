@@ -1,0 +1,112 @@
+"""/v1/chat/completions: messages -> the chat template (ChatTemplate, shared with LLM.chat) -> the
+assistant's reply, streamed (role first, then content deltas) or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+
+from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.outputs import CompletionOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import bad_request
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.serving_base import (SSE_DONE, ChoiceState, OpenAIServing, SSEStream, UsageCounter,
+                                         finish_reason_of, guarded, sse, stop_holdback, text_delta)
+
+
+class OpenAIServingChat(OpenAIServing):
+    # --- /v1/chat/completions ----------------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request, tenant: Optional[str]) -> Any:
+        arrival_time = time.monotonic()     # TTFT targets count the chat template and the queue for it
+        model = self.check_model(req.model)
+        top = req.top_logprobs if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        self._check_common(req, top, "top_logprobs")
+        tenant = self.resolve_tenant(tenant, req.tenant)
+        if not req.messages:
+            raise bad_request("messages must contain at least one message", "messages", "empty_messages")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, logprobs, None)
+        prompt_ids = await self.apply_chat_template(req.messages, req.add_generation_prompt,
+                                                    req.continue_final_message, req.chat_template_kwargs)
+        self._check_length(len(prompt_ids), max_tokens, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(request_id, [prompt_ids], params, req, tenant, arrival_time)
+        sub_id = f"{request_id}-0"
+        if req.stream:
+            chunks = self._stream_chat(request_id, model, req, params, sub_id, stream)
+            return SSEStream(guarded(chunks, stream), stream)
+        finals = await self._collect(stream, raw)
+        output = finals[sub_id]
+        choices = []
+        for sample in output.outputs:
+            choices.append({
+                "index": sample.index, "message": {"role": "assistant", "content": sample.text},
+                "logprobs": {"content": self._chat_logprobs(sample, 0, req.top_logprobs or 0)} if req.logprobs else None,
+                "finish_reason": finish_reason_of(sample), "stop_reason": sample.stop_reason})
+        usage = UsageCounter()
+        usage.update(output)
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": usage.as_dict()}
+
+    def _chat_logprobs(self, sample: CompletionOutput, start: int, num_top: int) -> list[dict[str, Any]]:
+        content = []
+        entries = sample.logprobs or []
+        for position in range(start, min(len(sample.token_ids), len(entries))):
+            token_id, entry = sample.token_ids[position], entries[position]
+            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+            content.append({**self._chat_token(token_id, entry.get(token_id, float("-inf"))),
+                            "top_logprobs": [self._chat_token(t, lp) for t, lp in ranked]})
+        return content
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    async def _stream_chat(self, request_id: str, model: str, req: ChatCompletionRequest, params: SamplingParams,
+                           sub_id: str, stream: RequestStream) -> AsyncIterator[str]:
+        created = int(time.time())
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        states = [ChoiceState() for _ in range(params.n)]
+        usage = UsageCounter()
+        holdback = stop_holdback(params)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        # The role comes first, before any token exists (what OpenAI's stream does).
+        yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None} for i in range(params.n)]})
+        async for output in stream:
+            self._check_not_rejected(output)
+            usage.update(output)
+            choices = []
+            for sample in output.outputs:
+                state = states[sample.index]
+                if state.finished:
+                    continue
+                text = text_delta(sample, state, holdback, output.finished)
+                logprobs = None
+                if req.logprobs and len(sample.token_ids) > state.tokens_sent:
+                    logprobs = {"content": self._chat_logprobs(sample, state.tokens_sent, req.top_logprobs or 0)}
+                state.tokens_sent = len(sample.token_ids)
+                finish_reason = finish_reason_of(sample) if sample.finish_reason else None
+                state.finished = finish_reason is not None
+                if not text and logprobs is None and finish_reason is None:
+                    continue
+                choices.append({"index": sample.index, "delta": {"content": text} if text else {},
+                                "logprobs": logprobs, "finish_reason": finish_reason,
+                                "stop_reason": sample.stop_reason if finish_reason else None})
+            if choices:
+                chunk = {**base, "choices": choices}
+                if continuous:
+                    chunk["usage"] = usage.as_dict()
+                yield sse(chunk)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage.as_dict()})
+        yield SSE_DONE
+

@@ -1,0 +1,132 @@
+"""Stats as data: /metrics is rendered from the EngineSnapshot alone (made from Engine.make_stats()'s
+kvserve/stats.py dataclasses: the prefix cache, the MoE expert load, the latency targets), and the
+engine's parts fill those fields."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import TEST_DEVICE, build_tiny_checkpoint
+from kvserve.engine.async_engine import EngineSnapshot
+from kvserve.obs.metrics import METRIC_NAMES, MOE_METRIC_NAMES, ServerMetrics
+from kvserve.stats import (AdaptivePolicyStats, EngineStats, ExpertLoadStats, KVCacheStats, LatencyTargetStats,
+                           PrefixCacheStats, SchedulerStats)
+
+
+def _samples(text: str) -> dict[str, float]:
+    """'name{labels}' -> value, for every sample line."""
+    found = {}
+    for line in text.splitlines():
+        match = re.match(r"^(\S+?(?:\{[^}]*\})?) (\S+)$", line)
+        if match and not line.startswith("#"):
+            found[match.group(1)] = float(match.group(2))
+    return found
+
+
+def _stats(**fields) -> EngineStats:
+    return EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600), 50, 20, {"stop": 4}, **fields)
+
+
+PREFIX = PrefixCacheStats("adaptive", "lru", lookups=5, query_tokens=200, hit_tokens=50, cached_blocks=12,
+                          evictable_blocks=7, pinned_blocks=2, num_pins=1, evictions={"lru": 3},
+                          adaptive=AdaptivePolicyStats("lru", 4, {"lru": 0.5, "lfu": 0.25}))
+LOAD = ExpertLoadStats(layers=(1, 2), tokens_per_expert=((3, 1, 0, 0), (1, 1, 1, 1)), top_k=2)
+
+
+def test_metrics_render_the_snapshots_stats_dataclasses():
+    snapshot = EngineSnapshot.from_stats(_stats(prefix_cache=PREFIX, expert_load=LOAD), num_steps=9,
+                                         num_step_errors=1, rejected_by_gate=0)
+    assert snapshot.prefix_cache is PREFIX and snapshot.expert_load is LOAD
+    text = ServerMetrics(lambda: snapshot, "m").render().decode()
+    for name in METRIC_NAMES + MOE_METRIC_NAMES:
+        assert name in text, name
+    samples = _samples(text)
+    assert samples['kvserve:num_requests_running{model_name="m"}'] == 2
+    assert samples['kvserve:kv_cache_blocks_used{model_name="m"}'] == 40
+    assert samples['kvserve:prefix_cache_queries_total{model_name="m"}'] == 200
+    assert samples['kvserve:prefix_cache_hits_total{model_name="m"}'] == 50
+    assert samples['kvserve:prefix_cache_hit_rate{model_name="m"}'] == 0.25
+    assert samples['kvserve:prefix_cache_pinned_blocks{model_name="m"}'] == 2
+    assert samples['kvserve:prefix_cache_evictions_total{model_name="m",policy="lru"}'] == 3
+    assert samples['kvserve:prefix_cache_policy_info{active="lru",model_name="m",policy="adaptive"}'] == 1
+    assert samples['kvserve:prefix_cache_adaptive_switches_total{model_name="m"}'] == 4
+    assert samples['kvserve:prefix_cache_adaptive_shadow_hit_rate{arm="lfu",model_name="m"}'] == 0.25
+    assert samples['kvserve:moe_expert_tokens_total{expert="0",layer="1",model_name="m"}'] == 3
+    assert samples['kvserve:moe_expert_imbalance{layer="1",model_name="m"}'] == 3.0
+    assert samples['kvserve:moe_expert_imbalance{layer="2",model_name="m"}'] == 1.0
+
+
+def test_without_those_stats_their_series_are_absent():
+    text = ServerMetrics(lambda: EngineSnapshot.from_stats(_stats(), 0, 0, 0), "m").render().decode()
+    assert "kvserve:num_requests_running" in text
+    assert "prefix_cache" not in text and "moe_expert" not in text and "slo_" not in text
+
+
+def test_the_latency_targets_are_stats_too():
+    latency = LatencyTargetStats(4, 0.02, 1, 2, None, 512, ttft_target_s=1.5, tpot_target_s=None)
+    stats = EngineStats(SchedulerStats(0, 0, 0, latency), KVCacheStats(1, 1, 0.0, 16), 0, 0)
+    snapshot = EngineSnapshot.from_stats(stats, 0, 0, rejected_by_gate=3)
+    assert (snapshot.slo_max_running, snapshot.slo_rejected_at_arrival) == (4, 4)
+    from kvserve.server.app import _slo_targets
+    targets = _slo_targets(stats.scheduler.latency)
+    assert (targets.ttft_s, targets.tpot_s) == (1.5, None)
+    assert _slo_targets(None) is None
+    text = ServerMetrics(lambda: snapshot, "m", slo=targets).render().decode()
+    assert 'kvserve:requests_slo_total{model_name="m",outcome="met"} 0.0' in text
+
+
+# --------------------------------------------------------------------------------------------------
+# the owners fill them
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-metrics-llama")
+    build_tiny_checkpoint("llama", folder)
+    return str(folder)
+
+
+def _engine(folder: str, **options):
+    from kvserve.engine.engine import Engine
+    return Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=2 << 20,
+                               block_size=16, max_model_len=256, **options)
+
+
+def test_engine_make_stats_carries_the_prefix_cache_and_the_targets(tiny_llama):
+    from kvserve.sampling_params import SamplingParams
+    engine = _engine(tiny_llama, slo_ttft=2.0, slo_tpot=0.5)
+    prompt = list(range(5, 5 + 40))
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+    stats = engine.make_stats()
+    published = engine.prefix.stats          # what the prefix-cache control publishes itself
+    assert stats.prefix_cache.hit_tokens == published.hit_tokens > 0
+    assert (stats.prefix_cache.query_tokens, stats.prefix_cache.cached_blocks, stats.prefix_cache.policy) == \
+        (published.query_tokens, published.cached_blocks, published.policy)
+    assert stats.expert_load is None          # a dense model
+    assert (stats.scheduler.latency.ttft_target_s, stats.scheduler.latency.tpot_target_s) == (2.0, 0.5)
+    off = _engine(tiny_llama, enable_prefix_caching=False).make_stats()
+    assert (off.prefix_cache.policy, off.prefix_cache.query_tokens) == ("off", 0)
+    assert off.scheduler.latency is None
+
+
+def test_the_expert_load_is_read_at_most_once_a_second_while_requests_run():
+    from kvserve.engine.engine import Engine
+    reads = []
+
+    def expert_load():
+        reads.append(1)
+        return SimpleNamespace(layers=[1], tokens_per_expert=[[len(reads), 0]], top_k=1)
+
+    engine = SimpleNamespace(_groups={"r": None}, expert_load=expert_load, _expert_load_read=None,
+                             _expert_load_read_at=float("-inf"), EXPERT_LOAD_READ_INTERVAL_S=60.0)
+    first = Engine._expert_load_stats(engine)
+    assert first == ExpertLoadStats((1,), ((1, 0),), 1)
+    assert Engine._expert_load_stats(engine) is first and len(reads) == 1     # busy: the last read
+    engine._groups = {}
+    assert Engine._expert_load_stats(engine).tokens_per_expert == ((2, 0),)   # idle: read now
