@@ -173,6 +173,10 @@ class CacheConfig:
     prefix_sharing: str = _opt("tenant", "who reuses whose cached prefixes: tenant (own only) or global",
                                choices=("tenant", "global"))
     prefix_share_groups: Optional[str] = _opt(None, "tenants that share cached prefixes, e.g. 'a,b;c,d'")
+    # The host KV tier (kvserve/kvcache/host_tier.py; docs/kv_tiers.md).
+    kv_host_memory: int = _opt(0, "bytes of host RAM (pinned on CUDA) that keep KV blocks the GPU cache evicts, in "
+                                  "their stored format, and load them back on a prefix hit; 0 = off (needs prefix "
+                                  "caching)", bytes=True, **bounds(ge=0, unit="bytes"))
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
                                       **bounds(ge=0, le=1))
     # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).

@@ -24,11 +24,24 @@ class StepCoefficients:
 
 
 @dataclass(frozen=True)
+class HostTierStats:
+    """The host KV tier (--kv-host-memory; kvcache/host_tier.py). Counts are totals since start."""
+    num_blocks: int
+    used_blocks: int             # host blocks holding a cached block
+    hit_tokens: int              # prompt tokens served from the host (loaded, not recomputed)
+    blocks_written: int          # GPU blocks copied to the host when the GPU cache evicted them
+    blocks_loaded: int           # host blocks copied back into GPU blocks
+    blocks_evicted: int          # host blocks reused for newer ones
+    writes_dropped: int          # write-backs skipped: every host block was being read that step
+
+
+@dataclass(frozen=True)
 class KVCacheStats:
     num_blocks: int
     num_free_blocks: int
     usage: float                 # fraction of blocks in use (held by requests or cached)
     capacity_tokens: int         # num_blocks x block_size: what the cache holds in tokens
+    host: Optional[HostTierStats] = None     # None: no host tier
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.stats import EngineStats, ExpertLoadStats
-from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.host_tier import HostTier
+from kvserve.kvcache.manager import HOST_STORE, KVCacheManager
+from kvserve.kvstore import KVCacheStore
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.builder import build_model, kernel_switches, resolve_device, resolve_dtype
@@ -95,7 +97,10 @@ class Engine:
                 config, scheduler_config=dataclasses.replace(config.scheduler_config, max_num_seqs=sizing.max_num_seqs))
         num_blocks = sizing.num_blocks
         block_size = cache_cfg.block_size
-        self.kv_manager = KVCacheManager(num_blocks, block_size, self._build_prefix_cache(num_blocks))
+        prefix_cache = self._build_prefix_cache(num_blocks)
+        self.host_store = self._build_host_store(prefix_cache is not None)
+        host_tier = HostTier(self.host_store.num_blocks) if self.host_store is not None else None
+        self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier)
         # Tenant namespaces, pins and the published prefix-cache stats (docs/prefix_caching.md).
         self.prefix = PrefixControl(self.kv_manager, cache_cfg.eviction_policy, cache_cfg.prefix_sharing,
                                     cache_cfg.prefix_share_groups)
@@ -110,6 +115,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)
+        if self.host_store is not None:
+            self.runner.register_store(HOST_STORE, self.host_store)
         if not model_cfg.enforce_eager:
             started = time.perf_counter()
             self.runner.capture_cuda_graphs(config.scheduler_config.max_num_seqs, max_model_len)
@@ -158,6 +165,30 @@ class Engine:
         elif budget is None:
             budget = DEFAULT_CPU_KV_BYTES
         return size_kv_cache(self.kv_spec, budget, cache_cfg.block_size, sched.max_num_seqs)
+
+    def _build_host_store(self, prefix_caching: bool) -> Optional[KVCacheStore]:
+        """The host tier's KV store (--kv-host-memory): blocks in the device store's format, in
+        pinned memory on CUDA so copies to and from the GPU run at the link's rate."""
+        cache_cfg = self.config.cache_config
+        if not cache_cfg.kv_host_memory:
+            return None
+        if not prefix_caching:
+            logger.warning("the host KV tier is off: it keeps blocks the prefix cache evicts, and prefix caching is off")
+            return None
+        block_bytes = self.kv_spec.bytes_per_token * cache_cfg.block_size
+        num_blocks = cache_cfg.kv_host_memory // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_host_memory of {cache_cfg.kv_host_memory} bytes holds no KV block "
+                             f"({block_bytes} bytes)")
+        try:
+            store = KVCacheStore.allocate_flat(self.kv_spec, num_blocks, cache_cfg.block_size,
+                                               pin_memory=self.device.type == "cuda")
+        except RuntimeError as exc:      # pinning more than the machine allows
+            raise ValueError(f"kv_host_memory of {cache_cfg.kv_host_memory} bytes cannot be allocated"
+                             f"{' pinned' if self.device.type == 'cuda' else ''}: {exc}") from None
+        logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, cache_cfg.block_size,
+                    num_blocks * cache_cfg.block_size, store.nbytes / 2**30)
+        return store
 
     def _build_prefix_cache(self, num_blocks: int) -> Optional[PrefixCache]:
         if self.config.cache_config.enable_prefix_caching and self.kv_spec.needs_rows:

@@ -8,6 +8,12 @@ prefix (`find_cached_prefix`, then `allocate_slots(..., prefix=...)`), and every
 becomes full of computed tokens is published to the cache (`cache_full_blocks`, after each step)
 so later requests can hit it. A request never writes into a block it got from the cache: hits are
 whole blocks and the request's computation starts right after them.
+
+With a host tier (kvcache/host_tier.py), a cached block the GPU cache evicts is first copied to the
+host, and a prefix lookup that ends in the GPU cache continues in the host tier: those blocks are
+copied into freshly allocated GPU blocks. The copies are block copies of the step
+(`take_block_copies`), which the worker runs in order before the step's forward, so a write-back
+always reads a block before its new owner overwrites it, and a load lands before it is read.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.prefix_cache import (HashedSequence, Pin, PrefixCache, chain_hashes, hash_block,
-                                          namespace_root)
+from kvserve.kvcache.host_tier import HostTier
+from kvserve.kvcache.prefix_cache import (CachedBlock, HashedSequence, Pin, PrefixCache, chain_hashes,
+                                          hash_block, namespace_root)
 from kvserve.stats import KVCacheStats
 
 
@@ -25,13 +32,27 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# Where a block copy reads or writes: the worker's stores of these names (worker/runner.py).
+DEVICE_STORE, HOST_STORE = "device", "host"
+
+
 @dataclass
 class PrefixHit:
     """The result of a lookup: cached blocks to start the request's table with."""
-    block_ids: list[int] = field(default_factory=list)
-    num_tokens: int = 0                 # len(block_ids) * block_size
+    block_ids: list[int] = field(default_factory=list)        # GPU blocks
+    num_tokens: int = 0                 # (len(block_ids) + len(host_block_ids)) * block_size
     num_query_tokens: int = 0           # tokens the lookup was for (hit-rate denominator)
     num_query_blocks: int = 0           # full blocks of those tokens (hashes computed)
+    host_block_ids: list[int] = field(default_factory=list)   # the host blocks that continue it
+
+
+@dataclass(frozen=True)
+class PendingCopy:
+    """One block to copy before the step's forward (the scheduler hands these to the worker)."""
+    source: str
+    destination: str
+    src_block_id: int
+    dst_block_id: int
 
 
 @dataclass
@@ -43,12 +64,32 @@ class _CacheState:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: Optional[PrefixCache] = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: Optional[PrefixCache] = None,
+                 host_tier: Optional[HostTier] = None) -> None:
+        if host_tier is not None and prefix_cache is None:
+            raise ValueError("a host KV tier needs prefix caching (it keeps the blocks the prefix cache evicts)")
         self.block_size = block_size
         self.prefix_cache = prefix_cache
+        self.host_tier = host_tier
         self.pool = BlockPool(num_blocks, prefix_cache)
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
+        self._pending_copies: list[PendingCopy] = []
+        if host_tier is not None:
+            prefix_cache.on_evict = self._write_back
+
+    # --- the host tier -----------------------------------------------------------------------------
+    def _write_back(self, cached: CachedBlock) -> None:
+        host_id = self.host_tier.store(cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
+        if host_id is not None:
+            self._pending_copies.append(PendingCopy(DEVICE_STORE, HOST_STORE, cached.block_id, host_id))
+
+    def take_block_copies(self) -> list[PendingCopy]:
+        """The copies this step's allocations need, in the order they must run."""
+        copies, self._pending_copies = self._pending_copies, []
+        if self.host_tier is not None:
+            self.host_tier.end_step()
+        return copies
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -107,7 +148,8 @@ class KVCacheManager:
                                            (len(token_ids) - 1) // bs)
 
     def make_stats(self) -> KVCacheStats:
-        return KVCacheStats(self.num_blocks, self.num_free_blocks, float(self.usage), self.capacity_tokens)
+        host = self.host_tier.make_stats() if self.host_tier is not None else None
+        return KVCacheStats(self.num_blocks, self.num_free_blocks, float(self.usage), self.capacity_tokens, host)
 
     def find_cached_prefix(self, seq: HashedSequence) -> PrefixHit:
         """Longest cached prefix of the sequence's tokens, in whole blocks, leaving at least the
@@ -119,9 +161,14 @@ class KVCacheManager:
             return PrefixHit(num_query_tokens=num_tokens, num_query_blocks=num_full)
         self._extend_hashes(seq, num_full)
         bs = self.block_size
-        blocks = self.prefix_cache.lookup(seq.block_hashes, lambda i: seq.token_ids_between(i * bs, (i + 1) * bs),
-                                          seq.cache_root, seq.cache_namespace, (num_tokens - 1) // bs)
-        return PrefixHit(blocks, len(blocks) * bs, num_tokens, num_full)
+        max_blocks = (num_tokens - 1) // bs
+        tokens = lambda i: seq.token_ids_between(i * bs, (i + 1) * bs)  # noqa: E731
+        blocks = self.prefix_cache.lookup(seq.block_hashes, tokens, seq.cache_root, seq.cache_namespace, max_blocks)
+        host: list[int] = []
+        if self.host_tier is not None and len(blocks) < max_blocks:
+            parent = seq.block_hashes[len(blocks) - 1] if blocks else seq.cache_root
+            host = self.host_tier.lookup(seq.block_hashes, tokens, parent, seq.cache_namespace, len(blocks), max_blocks)
+        return PrefixHit(blocks, (len(blocks) + len(host)) * bs, num_tokens, num_full, host)
 
     def cache_full_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Publishes the request's blocks that are now full of computed tokens."""
@@ -172,16 +219,30 @@ class KVCacheManager:
                 for block_id in prefix.block_ids:
                     self.pool.acquire_cached(block_id)
                 table.extend(prefix.block_ids)
+            num_device_hits = len(table)
+            if prefix is not None and prefix.host_block_ids:
+                self._load_from_host(prefix.host_block_ids, table)
             if self.prefix_cache is not None and sequence is not None:
-                state = self._cache_states[request_id] = _CacheState(sequence, num_published=len(table))
+                # Loaded blocks are published to the GPU cache like computed ones, after the step.
+                state = self._cache_states[request_id] = _CacheState(sequence, num_published=num_device_hits)
                 if prefix is not None:
-                    self.prefix_cache.record_query(prefix.num_query_tokens, prefix.num_tokens)
+                    self.prefix_cache.record_query(prefix.num_query_tokens, num_device_hits * self.block_size)
                     state.num_looked_up = prefix.num_query_blocks
                     self.prefix_cache.observe_lookup(sequence.block_hashes[:prefix.num_query_blocks])
         new = blocks_for_tokens(num_total_tokens, self.block_size) - len(table)
         if new > 0:
             table.extend(self.pool.allocate(new))
         return True
+
+    def _load_from_host(self, host_ids: list[int], table: list[int]) -> None:
+        # Held first: allocating may evict GPU blocks, and their write-backs must not take the host
+        # blocks these loads read. The write-backs are queued first, so they read their GPU blocks
+        # before these loads overwrite them.
+        self.host_tier.begin_load(host_ids, self.block_size)
+        device_ids = self.pool.allocate(len(host_ids))
+        self._pending_copies.extend(PendingCopy(HOST_STORE, DEVICE_STORE, host_id, device_id)
+                                    for host_id, device_id in zip(host_ids, device_ids))
+        table.extend(device_ids)
 
     def free(self, request_id: str) -> None:
         table = self._block_tables.pop(request_id, None)

@@ -142,6 +142,9 @@ class PrefixCache:
         self.num_hit_tokens = 0
         self.evictions: dict[str, int] = {}
         self._track_fanout = policy.tracks_fanout
+        # Told of each victim before it is forgotten, while its KV is still intact (the host
+        # tier's write-back: kvcache/manager.py).
+        self.on_evict: Optional[Callable[[CachedBlock], None]] = None
         if isinstance(policy, AdaptivePolicy):
             policy.on_switch = self._rekey
 
@@ -249,6 +252,8 @@ class PrefixCache:
         block_id, priority = self._evictor.pop()
         cached = self._by_block.pop(block_id)
         del self._by_hash[cached.block_hash]
+        if self.on_evict is not None:
+            self.on_evict(cached)
         if self.history_blocks > 0:
             self._history[cached.block_hash] = cached.stats
             if len(self._history) > self.history_blocks:

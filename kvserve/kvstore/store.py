@@ -17,6 +17,13 @@ Transfers:
   packed into one byte buffer on the source device, moved in one copy, and unpacked.
 - `read_blocks(ids)` / `write_blocks(ids, data)`: blocks to and from a flat host byte buffer
   `[n, block_nbytes]` (uint8), one row per block, as a disk or network tier stores them.
+
+A tier's store never attends, so it keeps blocks in that byte layout itself (`allocate_flat`): one
+pinned `[num_blocks, block_nbytes]` tensor. A copy from the GPU then gathers the blocks into one
+buffer on the GPU and moves each run of consecutive host blocks in one asynchronous copy; a copy to
+the GPU moves runs into a GPU staging buffer and scatters them there. Both are ordered on the
+current CUDA stream, so a later copy or forward sees them complete; host-side reads of a flat store
+(`read_blocks`) wait for copies in flight.
 """
 
 from __future__ import annotations
@@ -70,8 +77,10 @@ class KVCacheStore:
     """The paged KV of every layer, allocated from a spec, with block and row transfer."""
 
     def __init__(self, spec: KVCacheSpec, layers: list[LayerKV], num_blocks: int, block_size: int,
-                 num_rows: int, device: torch.device) -> None:
+                 num_rows: int, device: torch.device, flat: torch.Tensor | None = None,
+                 block_bytes: list[int] | None = None) -> None:
         self.spec = spec
+        self.flat = flat                 # [num_blocks, block_nbytes] uint8 for a tier's store, else None
         self.layers = layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -81,7 +90,8 @@ class KVCacheStore:
                                   spec.num_kv_heads, tuple(spec.part_dims()), spec.model_dtype, block_size,
                                   spec.window, spec.sinks, spec.error_feedback)
         self._block_tensors = [tensor for layer in layers for part in layer for tensor in _block_tensors(part)]
-        self._block_bytes = [tensor[0].numel() * tensor.element_size() for tensor in self._block_tensors]
+        self._block_bytes = block_bytes if block_bytes is not None else \
+            [tensor[0].numel() * tensor.element_size() for tensor in self._block_tensors]
 
     @classmethod
     def allocate(cls, spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device | str,
@@ -102,6 +112,15 @@ class KVCacheStore:
                 layers.append(LayerKV(*parts))
                 parts = []
         return cls(spec, layers, num_blocks, block_size, num_rows if spec.needs_rows else 0, device)
+
+    @classmethod
+    def allocate_flat(cls, spec: KVCacheSpec, num_blocks: int, block_size: int,
+                      pin_memory: bool = False) -> "KVCacheStore":
+        """A host store of whole blocks in the byte layout of `read_blocks` (a tier's store: it moves
+        blocks, never attends). Holds no per-sequence rows."""
+        probe = cls.allocate(spec, 1, block_size, "meta", num_rows=1 if spec.needs_rows else 0)
+        flat = torch.zeros(num_blocks, probe.block_nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        return cls(spec, [], num_blocks, block_size, 0, torch.device("cpu"), flat, probe._block_bytes)
 
     # --- the layers, as the model reads them ----------------------------------------------------
     def __len__(self) -> int:
@@ -144,6 +163,8 @@ class KVCacheStore:
     def copy_rows(self, src_rows: Sequence[int], dst_rows: Sequence[int], dst: "KVCacheStore") -> None:
         """Per-sequence state (window ring rows, residuals) of `src_rows` into `dst_rows` of `dst`."""
         self.check_same_layout(dst)
+        if self.flat is not None or dst.flat is not None:
+            raise ValueError("a flat (tier) store holds no per-sequence rows")
         if len(src_rows) != len(dst_rows):
             raise ValueError(f"copy_rows got {len(src_rows)} source rows and {len(dst_rows)} destination rows")
         for name, rows, store in (("source", src_rows, self), ("destination", dst_rows, dst)):
@@ -172,14 +193,26 @@ class KVCacheStore:
             raise ValueError(f"copy_blocks got {src_index.numel()} source and {dst_index.numel()} destination blocks")
         if not src_index.numel():
             return
-        if self.device == dst.device:
+        if self.flat is None and dst.flat is None and self.device == dst.device:
             for mine, theirs in zip(self._block_tensors, dst._block_tensors):
                 theirs.index_copy_(0, dst_index, mine.index_select(0, src_index))
+            return
+        if dst.flat is not None:
+            data = self._gather_bytes(src_index)
+            for start, end, offset in _runs(dst_index.tolist()):
+                dst.flat[start:end].copy_(data[offset:offset + end - start], non_blocking=True)
+            return
+        if self.flat is not None:
+            staged = torch.empty(src_index.numel(), self.block_nbytes, dtype=torch.uint8, device=dst.device)
+            for start, end, offset in _runs(src_index.tolist()):
+                staged[offset:offset + end - start].copy_(self.flat[start:end], non_blocking=True)
+            dst._scatter_bytes(dst_index, staged)
             return
         dst._scatter_bytes(dst_index, self._gather_bytes(src_index).to(dst.device))
 
     def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
         """Blocks -> a host byte buffer [len(block_ids), block_nbytes] (uint8), one row per block."""
+        self._wait_for_copies()
         return self._gather_bytes(self._block_index(block_ids)).cpu()
 
     def write_blocks(self, block_ids: BlockIds, data: torch.Tensor) -> None:
@@ -189,15 +222,26 @@ class KVCacheStore:
             raise ValueError(f"write_blocks wants uint8 [{index.numel()}, {self.block_nbytes}], "
                              f"got {data.dtype} {list(data.shape)}")
         if index.numel():
+            self._wait_for_copies()
             self._scatter_bytes(index, data.to(self.device))
 
+    def _wait_for_copies(self) -> None:
+        """A flat store's asynchronous copies to and from a GPU must land before the host touches it."""
+        if self.flat is not None and self.flat.is_pinned() and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     def _gather_bytes(self, index: torch.Tensor) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat.index_select(0, index)
         count = index.numel()
         pieces = [tensor.index_select(0, index).reshape(count, -1).view(torch.uint8)
                   for tensor in self._block_tensors]
         return torch.cat(pieces, dim=1)
 
     def _scatter_bytes(self, index: torch.Tensor, data: torch.Tensor) -> None:
+        if self.flat is not None:
+            self.flat.index_copy_(0, index, data)
+            return
         count = index.numel()
         for tensor, piece in zip(self._block_tensors, data.split(self._block_bytes, dim=1)):
             values = piece.contiguous().view(tensor.dtype).view(count, *tensor.shape[1:])
@@ -222,6 +266,17 @@ def _block_tensors(part: KVPart) -> list[torch.Tensor]:
     if not is_quantized(part):
         return [part]
     return [part.payload] + ([part.scales] if part.scales is not None else [])
+
+
+def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(first id, end id, offset in `ids`) of each run of consecutive ids."""
+    offset = 0
+    while offset < len(ids):
+        end = offset + 1
+        while end < len(ids) and ids[end] == ids[end - 1] + 1:
+            end += 1
+        yield ids[offset], ids[end - 1] + 1, offset
+        offset = end
 
 
 def _ring_index(rows: Sequence[int], ring: int, device: torch.device) -> torch.Tensor:

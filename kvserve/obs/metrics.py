@@ -80,6 +80,15 @@ SLO_METRIC_NAMES = (
 )
 # Outcomes of requests_slo_total: a finished request met every set target, or missed these.
 SLO_OUTCOMES = ("met", "missed_ttft", "missed_tpot", "missed_both")
+# Present only with a host KV tier (--kv-host-memory; docs/kv_tiers.md).
+HOST_TIER_METRIC_NAMES = (
+    f"{NAMESPACE}:kv_host_blocks_total",
+    f"{NAMESPACE}:kv_host_blocks_used",
+    f"{NAMESPACE}:kv_host_hit_tokens_total",
+    f"{NAMESPACE}:kv_host_blocks_moved_total",
+    f"{NAMESPACE}:kv_host_blocks_evicted_total",
+    f"{NAMESPACE}:kv_host_writes_dropped_total",
+)
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
     f"{NAMESPACE}:moe_expert_tokens_total",
@@ -114,6 +123,20 @@ class _EngineStateCollector:
         yield gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", snap.num_blocks)
         yield gauge("kv_cache_blocks_used", "KV cache blocks held by requests.", snap.num_used_blocks)
         yield gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds.", snap.capacity_tokens)
+        host = snap.kv_host
+        if host is not None:
+            yield gauge("kv_host_blocks_total", "Blocks of the host KV tier.", host.num_blocks)
+            yield gauge("kv_host_blocks_used", "Host KV blocks holding a cached block.", host.used_blocks)
+            yield counter("kv_host_hit_tokens", "Prompt tokens loaded from the host KV tier instead of computed.",
+                          host.hit_tokens)
+            moved = CounterMetricFamily(f"{NAMESPACE}:kv_host_blocks_moved", "KV blocks copied between the GPU "
+                                        "and the host tier, by direction.", labels=labels + ["direction"])
+            moved.add_metric(values + ["to_host"], host.blocks_written)
+            moved.add_metric(values + ["to_device"], host.blocks_loaded)
+            yield moved
+            yield counter("kv_host_blocks_evicted", "Host KV blocks reused for newer blocks.", host.blocks_evicted)
+            yield counter("kv_host_writes_dropped", "Write-backs to the host tier skipped (every host block was being "
+                          "read that step).", host.writes_dropped)
         yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Requests preempted (KV freed, recomputed later).",

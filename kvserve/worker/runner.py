@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.kvcache.manager import DEVICE_STORE
 from kvserve.kvstore import KVCacheSpec, KVCacheStore
 from kvserve.model.interfaces import CausalLM
 from kvserve.sched.output import BlockCopy, ScheduledRequest, SchedulerOutput
@@ -22,8 +23,6 @@ from kvserve.worker.forward_path import choose_forward
 from kvserve.worker.kv_sizing import spec_from_config
 from kvserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
-# The store the model reads; block copies name it (SchedulerOutput.block_copies).
-DEVICE_STORE = "device"
 
 
 @dataclass

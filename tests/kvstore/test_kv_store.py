@@ -194,3 +194,20 @@ def test_runner_runs_a_steps_block_copies_before_its_forward(llama_folder):
         runner.execute(SchedulerOutput(block_copies=[BlockCopy("device", "disk", (0,), (0,))]), {})
     with pytest.raises(ValueError, match="as many"):
         BlockCopy("device", "host", (0, 1), (0,))
+
+
+@pytest.mark.parametrize("dtype", ["auto", "int8", "int4"])
+def test_a_flat_tier_store_keeps_blocks_byte_for_byte(dtype):
+    """A tier's store (allocate_flat: one [blocks, block_nbytes] tensor) takes and gives back blocks
+    by runs of consecutive ids and one by one, and holds the bytes read_blocks gives."""
+    spec = build_kv_cache_spec(2, 2, 8, torch.float32, kv_cache_dtype=dtype, kv_quant_window=0, kv_quant_sinks=0)
+    device = _random_store(spec, 8, 3)
+    tier = KVCacheStore.allocate_flat(spec, 10, 4)
+    assert tier.block_nbytes == device.block_nbytes and tier.flat.shape == (10, device.block_nbytes)
+    device.copy_blocks([0, 1, 2, 5, 7], [4, 5, 6, 0, 9], tier)          # runs 4-6, then 0, then 9
+    assert torch.equal(tier.read_blocks([4, 5, 6, 0, 9]), device.read_blocks([0, 1, 2, 5, 7]))
+    back = KVCacheStore.allocate(spec, 8, 4, "cpu")
+    tier.copy_blocks([9, 4, 5], [3, 4, 5], back)
+    assert torch.equal(back.read_blocks([3, 4, 5]), device.read_blocks([7, 0, 1]))
+    with pytest.raises(ValueError, match="rows"):
+        device.copy_rows([0], [0], tier)

@@ -11,9 +11,9 @@ import pytest
 
 from conftest import TEST_DEVICE, build_tiny_checkpoint
 from kvserve.engine.async_engine import EngineSnapshot
-from kvserve.obs.metrics import METRIC_NAMES, MOE_METRIC_NAMES, ServerMetrics
-from kvserve.stats import (AdaptivePolicyStats, EngineStats, ExpertLoadStats, KVCacheStats, LatencyTargetStats,
-                           PrefixCacheStats, SchedulerStats)
+from kvserve.obs.metrics import HOST_TIER_METRIC_NAMES, METRIC_NAMES, MOE_METRIC_NAMES, ServerMetrics
+from kvserve.stats import (AdaptivePolicyStats, EngineStats, ExpertLoadStats, HostTierStats, KVCacheStats,
+                           LatencyTargetStats, PrefixCacheStats, SchedulerStats)
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -130,3 +130,21 @@ def test_the_expert_load_is_read_at_most_once_a_second_while_requests_run():
     assert Engine._expert_load_stats(engine) is first and len(reads) == 1     # busy: the last read
     engine._groups = {}
     assert Engine._expert_load_stats(engine).tokens_per_expert == ((2, 0),)   # idle: read now
+
+
+def test_host_tier_metrics_come_from_the_kv_cache_stats():
+    host = HostTierStats(num_blocks=64, used_blocks=10, hit_tokens=40, blocks_written=12, blocks_loaded=10,
+                         blocks_evicted=2, writes_dropped=1)
+    stats = EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600, host), 50, 20, {"stop": 4})
+    snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
+    assert samples['kvserve:kv_host_blocks_total{model_name="m"}'] == 64
+    assert samples['kvserve:kv_host_blocks_used{model_name="m"}'] == 10
+    assert samples['kvserve:kv_host_hit_tokens_total{model_name="m"}'] == 40
+    assert samples['kvserve:kv_host_blocks_moved_total{direction="to_host",model_name="m"}'] == 12
+    assert samples['kvserve:kv_host_blocks_moved_total{direction="to_device",model_name="m"}'] == 10
+    assert samples['kvserve:kv_host_blocks_evicted_total{model_name="m"}'] == 2
+    assert samples['kvserve:kv_host_writes_dropped_total{model_name="m"}'] == 1
+    without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    text = ServerMetrics(lambda: without, "m").render().decode()
+    assert not any(name in text for name in HOST_TIER_METRIC_NAMES)

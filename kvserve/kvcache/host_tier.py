@@ -1,0 +1,104 @@
+"""The host KV tier's accounting: which block of the host store holds which cached prefix block.
+
+Blocks are addressed as in the GPU prefix cache (kvcache/prefix_cache.py): by the chained hash of
+their whole prefix in a namespace, with each block's parent hash, tokens and namespace kept and
+compared on a hit. A block reaches the host when the GPU cache evicts it (write-back: a full block is
+immutable, so one copy is enough and a block already on the host is not written again), and comes
+back into freshly allocated GPU blocks when a later request's prefix continues into it. The bytes
+themselves live in a KVCacheStore on the host (kvserve/kvstore/store.py) that the worker registers;
+this class only decides which host block each copy reads or writes, and evicts least recently used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from kvserve.stats import HostTierStats
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    host_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+    namespace: str
+
+
+class HostTier:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a host KV tier needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._by_hash: OrderedDict[bytes, HostBlock] = OrderedDict()    # least recently used first
+        # Host blocks a load of this step still has to read: never reused before the step's copies run.
+        self._reading: set[int] = set()
+        self.hit_tokens = 0
+        self.blocks_written = 0
+        self.blocks_loaded = 0
+        self.blocks_evicted = 0
+        self.writes_dropped = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self._by_hash
+
+    def store(self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], namespace: str) -> Optional[int]:
+        """The host block to copy an evicted GPU block into, or None: already on the host (one copy
+        suffices), or every host block is being read by this step's loads (the write is dropped)."""
+        held = self._by_hash.get(block_hash)
+        if held is not None:
+            self._by_hash.move_to_end(block_hash)
+            return None
+        host_id = self._take_block()
+        if host_id is None:
+            self.writes_dropped += 1
+            return None
+        self._by_hash[block_hash] = HostBlock(host_id, block_hash, parent_hash, tuple(token_ids), namespace)
+        self.blocks_written += 1
+        return host_id
+
+    def _take_block(self) -> Optional[int]:
+        if self._free:
+            return self._free.pop()
+        for block_hash, block in self._by_hash.items():
+            if block.host_id not in self._reading:
+                del self._by_hash[block_hash]
+                self.blocks_evicted += 1
+                return block.host_id
+        return None
+
+    def lookup(self, block_hashes: Sequence[bytes], block_tokens: Callable[[int], Sequence[int]], parent: bytes,
+               namespace: str, start: int, max_blocks: int) -> list[int]:
+        """Host ids of the verified blocks continuing a prefix at block index `start` (at most up to
+        index `max_blocks`). Refreshes their recency; nothing is counted until `begin_load`."""
+        found: list[int] = []
+        for index in range(start, min(max_blocks, len(block_hashes))):
+            block = self._by_hash.get(block_hashes[index])
+            if (block is None or block.parent_hash != parent or block.namespace != namespace
+                    or block.token_ids != tuple(block_tokens(index))):
+                break
+            self._by_hash.move_to_end(block.block_hash)
+            found.append(block.host_id)
+            parent = block.block_hash
+        return found
+
+    def begin_load(self, host_ids: Sequence[int], block_size: int) -> None:
+        """These host blocks are copied to the GPU in this step: held until `end_step`."""
+        self._reading.update(host_ids)
+        self.blocks_loaded += len(host_ids)
+        self.hit_tokens += len(host_ids) * block_size
+
+    def end_step(self) -> None:
+        """The step's copies are handed to the worker, which runs them in order before any later write."""
+        self._reading.clear()
+
+    def make_stats(self) -> HostTierStats:
+        return HostTierStats(self.num_blocks, self.num_used_blocks, self.hit_tokens, self.blocks_written,
+                             self.blocks_loaded, self.blocks_evicted, self.writes_dropped)

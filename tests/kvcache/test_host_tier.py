@@ -1,0 +1,186 @@
+"""The host KV tier (--kv-host-memory): blocks the GPU prefix cache evicts are written back to a host
+store in their stored format and loaded back on a later prefix hit; the tokens equal a cold run."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TEST_DEVICE, build_tiny_checkpoint
+from kvserve import LLM, SamplingParams
+from kvserve.kvcache.host_tier import HostTier
+from kvserve.kvcache.prefix_cache import hash_block
+
+BLOCK = 4
+PROMPT = [3 + (7 * i) % 200 for i in range(41)]          # 10 full blocks + 1 token
+FILLERS = [[11 + (13 * i + 5 * j) % 230 for i in range(41)] for j in range(4)]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+FORMATS = {"fp32": {}, "bf16": dict(kv_cache_dtype="bf16"), "int8": dict(kv_cache_dtype="int8"),
+           "fp8": dict(kv_cache_dtype="fp8_e4m3"),
+           "int4-no-window": dict(kv_cache_dtype="int4", kv_quant_window=0, kv_quant_sinks=0)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("host-tier-llama")
+    build_tiny_checkpoint("llama", path)
+    return str(path)
+
+
+def _llm(folder: str, host_blocks: int, **options) -> LLM:
+    probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, **options)
+    block_bytes = probe.engine.kv_bytes_per_token * BLOCK
+    # Room for one request and a little: each filler evicts what the one before left cached.
+    return LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 16,
+               kv_host_memory=block_bytes * host_blocks, async_scheduling="off", **options)
+
+
+def _tokens(llm: LLM, prompt: list[int]) -> list[int]:
+    return llm.generate([{"prompt_token_ids": prompt}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_prefix_evicted_to_host_comes_back_with_the_same_tokens(folder, name):
+    """A host hit gives the tokens a GPU-cache hit gives. For the exact format (fp32 KV of an fp32
+    model) that is also the cold run's; a lossy format's hit reads the prefix back from its stored
+    format where a cold prefill attends over its own full-precision K/V, so there the reference is
+    the GPU hit (docs/kv_tiers.md)."""
+    options = FORMATS[name]
+    llm = _llm(folder, host_blocks=64, **options)
+    cold = _tokens(llm, PROMPT)
+    warm = _tokens(llm, PROMPT)                             # a GPU-cache hit
+    assert llm.engine.make_stats().prefix_cache.hit_tokens == 10 * BLOCK
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    host = llm.engine.make_stats().kv_cache.host
+    assert host.blocks_written >= 10 and host.hit_tokens == 0
+    assert _tokens(llm, PROMPT) == warm
+    host = llm.engine.make_stats().kv_cache.host
+    assert host.hit_tokens == 10 * BLOCK and host.blocks_loaded == 10
+    if name == "fp32":
+        assert warm == cold
+
+
+def test_loaded_blocks_are_the_written_bytes(folder):
+    """Scribbling over the host copy changes the tokens of the next hit: what comes back is what the
+    host store holds, not KV that happened to survive on the GPU."""
+    llm = _llm(folder, host_blocks=64)
+    cold = _tokens(llm, PROMPT)
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    store = llm.engine.host_store
+    import torch
+    store.write_blocks(range(store.num_blocks),
+                       torch.randint(0, 256, (store.num_blocks, store.block_nbytes), dtype=torch.uint8))
+    assert _tokens(llm, PROMPT) != cold
+
+
+def test_host_tier_needs_prefix_caching(folder, caplog):
+    llm = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=1 << 20,
+              enable_prefix_caching=False)
+    assert llm.engine.host_store is None and "host KV tier is off" in caplog.text
+    with pytest.raises(ValueError, match="kv_host_memory"):
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=-1)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=8)
+
+
+def _chain(n: int, start: int = 0) -> list[tuple[bytes, bytes, tuple[int, ...]]]:
+    parent, out = b"root", []
+    for i in range(n):
+        tokens = (start + i,) * BLOCK
+        block_hash = hash_block(parent, tokens)
+        out.append((block_hash, parent, tokens))
+        parent = block_hash
+    return out
+
+
+def test_host_tier_lookup_verifies_and_evicts_least_recently_used():
+    tier = HostTier(3)
+    chain = _chain(4)
+    ids = [tier.store(h, p, t, "ns") for h, p, t in chain[:3]]
+    assert sorted(ids) == [0, 1, 2]
+    assert tier.store(*chain[0], "ns") is None           # already held: one copy suffices
+    hashes = [h for h, _, _ in chain]
+    tokens = lambda i: chain[i][2]                        # noqa: E731
+    assert tier.lookup(hashes, tokens, b"root", "ns", 0, 4) == ids
+    assert tier.lookup(hashes, tokens, b"root", "other", 0, 4) == []      # namespaces never mix
+    assert tier.lookup(hashes, lambda i: (99,) * BLOCK, b"root", "ns", 0, 4) == []   # tokens verified
+    tier.lookup(hashes, tokens, b"root", "ns", 1, 3)      # blocks 1, 2 used last: block 0 is the oldest
+    assert tier.store(*chain[3], "ns") == ids[0] and not tier.holds(chain[0][0])
+    assert tier.make_stats().blocks_evicted == 1
+
+
+def test_host_blocks_being_loaded_are_not_overwritten_in_the_same_step():
+    tier = HostTier(2)
+    chain = _chain(4)
+    a, b = (tier.store(h, p, t, "ns") for h, p, t in chain[:2])
+    tier.begin_load([a, b], BLOCK)
+    assert tier.store(*chain[2], "ns") is None and tier.make_stats().writes_dropped == 1
+    tier.end_step()
+    assert tier.store(*chain[3], "ns") in (a, b)
+
+
+class _Seq:
+    """A HashedSequence for the manager alone."""
+
+    def __init__(self, request_id: str, tokens: list[int], namespace: str = "t") -> None:
+        from kvserve.kvcache.prefix_cache import namespace_root
+        self.request_id, self.tokens = request_id, tokens
+        self.block_hashes: list[bytes] = []
+        self.cache_root, self.cache_namespace = namespace_root(namespace), namespace
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_block_leaks_under_random_allocate_evict_load(seed):
+    """Random requests over a few shared prefixes through a small GPU pool and a smaller host tier:
+    every copy names blocks in range, a load reads a host block that holds the hash the request
+    asked for, and once every request is gone both pools account for every block."""
+    import random
+
+    from kvserve.kvcache.manager import DEVICE_STORE, HOST_STORE, KVCacheManager
+    from kvserve.kvcache.policies import make_policy
+    from kvserve.kvcache.prefix_cache import PrefixCache
+    rng = random.Random(seed)
+    num_blocks, host_blocks = 24, 10
+    cache = PrefixCache(make_policy("lru", num_blocks=num_blocks))
+    tier = HostTier(host_blocks)
+    manager = KVCacheManager(num_blocks, BLOCK, cache, tier)
+    prefixes = [[rng.randrange(50) for _ in range(BLOCK * rng.randint(1, 6))] for _ in range(5)]
+    live: dict[str, _Seq] = {}
+    host_content: dict[int, bytes] = {}         # host block -> the hash last written into it
+    for step in range(300):
+        if live and (rng.random() < 0.45 or manager.num_free_blocks < 8):
+            request_id = rng.choice(sorted(live))
+            seq = live.pop(request_id)
+            manager.cache_full_blocks(request_id, seq.num_tokens)
+            manager.free(request_id)
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 9))]
+            seq = _Seq(f"r{step}", tokens)
+            hit = manager.find_cached_prefix(seq)
+            expected = {host_id: seq.block_hashes[len(hit.block_ids) + i] for i, host_id in enumerate(hit.host_block_ids)}
+            if manager.allocate_slots(seq.request_id, seq.num_tokens, hit, seq):
+                live[seq.request_id] = seq
+            for copy in manager.take_block_copies():
+                if copy.source == DEVICE_STORE:
+                    assert copy.destination == HOST_STORE and 0 <= copy.src_block_id < num_blocks
+                    assert 0 <= copy.dst_block_id < host_blocks
+                    host_content[copy.dst_block_id] = next(b.block_hash for b in tier._by_hash.values()
+                                                           if b.host_id == copy.dst_block_id)
+                else:
+                    assert 0 <= copy.dst_block_id < num_blocks
+                    assert host_content[copy.src_block_id] == expected[copy.src_block_id]
+        assert manager.pool.num_used_blocks + manager.num_free_blocks == num_blocks
+        assert tier.num_used_blocks + len(tier._free) == host_blocks
+        assert len({b.host_id for b in tier._by_hash.values()}) == tier.num_used_blocks
+    for request_id in list(live):
+        manager.free(request_id)
+    assert manager.num_free_blocks == num_blocks
+    assert tier.make_stats().blocks_loaded > 0 and tier.make_stats().blocks_written > 0
