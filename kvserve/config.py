@@ -213,6 +213,9 @@ class SchedulerConfig:
     cache_aware_scheduling: bool = _opt(False, "admit waiting requests with the longest cached prefix first")
     cache_aware_max_bypass: int = _opt(8, "cache-aware order: times a request may be overtaken before it goes first",
                                        **bounds(ge=0))
+    preemption_mode: str = _opt("recompute", "what a preempted request's KV becomes: recompute (freed, computed again "
+                                             "on resume) or swap (copied to the host KV tier and loaded back on resume; "
+                                             "needs --kv-host-memory)", choices=("recompute", "swap"))
     async_scheduling: str = _opt("auto", "queue each step before the previous step's tokens reach the host, so "
                                          "scheduling and output handling overlap the GPU's work (steps that need "
                                          "penalties or logprobs run synchronously); auto: on for CUDA",

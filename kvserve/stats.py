@@ -33,6 +33,9 @@ class HostTierStats:
     blocks_loaded: int           # host blocks copied back into GPU blocks
     blocks_evicted: int          # host blocks reused for newer ones
     writes_dropped: int          # write-backs skipped: every host block was being read that step
+    swapped_out: int = 0         # preempted requests whose blocks went to the host (--preemption-mode swap)
+    swapped_in: int = 0          # of those, resumed from the host
+    swap_failures: int = 0       # preemptions that recomputed: the host tier had no room for the blocks
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,8 @@ class Engine:
         prefix_cache = self._build_prefix_cache(num_blocks)
         self.host_store = self._build_host_store(prefix_cache is not None)
         host_tier = HostTier(self.host_store.num_blocks) if self.host_store is not None else None
+        if config.scheduler_config.preemption_mode == "swap" and self.host_store is None:
+            raise ValueError("preemption_mode swap needs the host KV tier: kv_host_memory > 0, with prefix caching on")
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier)
         # Tenant namespaces, pins and the published prefix-cache stats (docs/prefix_caching.md).
         self.prefix = PrefixControl(self.kv_manager, cache_cfg.eviction_policy, cache_cfg.prefix_sharing,

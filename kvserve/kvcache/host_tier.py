@@ -36,6 +36,9 @@ class HostTier:
         self._by_hash: OrderedDict[bytes, HostBlock] = OrderedDict()    # least recently used first
         # Host blocks a load of this step still has to read: never reused before the step's copies run.
         self._reading: set[int] = set()
+        # Host blocks released by swap-ins: free once this step's copies (which read them) are handed on.
+        self._release_after_step: list[int] = []
+        self.swapped_out = self.swapped_in = self.swap_failures = 0
         self.hit_tokens = 0
         self.blocks_written = 0
         self.blocks_loaded = 0
@@ -98,7 +101,36 @@ class HostTier:
     def end_step(self) -> None:
         """The step's copies are handed to the worker, which runs them in order before any later write."""
         self._reading.clear()
+        self._free.extend(self._release_after_step)
+        self._release_after_step.clear()
+
+    # --- swap preemption: a request's blocks, held outside the index until it resumes ----------------
+    def reserve(self, count: int) -> Optional[list[int]]:
+        """`count` host blocks for a swapped-out request (free ones first, then least recently used
+        cached ones), or None, taking nothing, when the tier cannot spare them."""
+        taken: list[int] = []
+        while len(taken) < count:
+            host_id = self._take_block()
+            if host_id is None:
+                self._free.extend(taken)
+                self.swap_failures += 1
+                return None
+            taken.append(host_id)
+        self.swapped_out += 1
+        return taken
+
+    def swap_in(self, host_ids: Sequence[int]) -> None:
+        """The request's blocks are copied back this step; its host blocks are free after it."""
+        self._reading.update(host_ids)
+        self._release_after_step.extend(host_ids)
+        self.swapped_in += 1
+
+    def release(self, host_ids: Sequence[int]) -> None:
+        """A swapped-out request finished without resuming (aborted): its host blocks are free
+        once this step's copies are handed on (a swap-out of this step may still write them)."""
+        self._release_after_step.extend(host_ids)
 
     def make_stats(self) -> HostTierStats:
         return HostTierStats(self.num_blocks, self.num_used_blocks, self.hit_tokens, self.blocks_written,
-                             self.blocks_loaded, self.blocks_evicted, self.writes_dropped)
+                             self.blocks_loaded, self.blocks_evicted, self.writes_dropped, self.swapped_out,
+                             self.swapped_in, self.swap_failures)

@@ -75,6 +75,8 @@ class KVCacheManager:
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
         self._pending_copies: list[PendingCopy] = []
+        # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
+        self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
         if host_tier is not None:
             prefix_cache.on_evict = self._write_back
 
@@ -83,6 +85,40 @@ class KVCacheManager:
         host_id = self.host_tier.store(cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
         if host_id is not None:
             self._pending_copies.append(PendingCopy(DEVICE_STORE, HOST_STORE, cached.block_id, host_id))
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    def swap_out(self, request_id: str) -> bool:
+        """Copies the request's blocks to the host tier and frees them on the GPU; False (nothing
+        changed) without a host tier or room in it. The copies run before the step's forward, so
+        they read the blocks before anyone else's KV lands in them."""
+        table = self._block_tables.get(request_id)
+        if self.host_tier is None or not table:
+            return False
+        host_ids = self.host_tier.reserve(len(table))
+        if host_ids is None:
+            return False
+        self._pending_copies.extend(PendingCopy(DEVICE_STORE, HOST_STORE, device_id, host_id)
+                                    for device_id, host_id in zip(table, host_ids))
+        state = self._cache_states.get(request_id)
+        self.free(request_id)
+        self._swapped[request_id] = (host_ids, state)
+        return True
+
+    def _swap_in(self, request_id: str, num_total_tokens: int) -> bool:
+        host_ids, state = self._swapped[request_id]
+        needed = blocks_for_tokens(num_total_tokens, self.block_size)
+        if needed > self.pool.num_free_blocks:
+            return False
+        del self._swapped[request_id]
+        self.host_tier.swap_in(host_ids)        # held before allocating: write-backs must not take them
+        table = self._block_tables[request_id] = self.pool.allocate(needed)
+        self._pending_copies.extend(PendingCopy(HOST_STORE, DEVICE_STORE, host_id, device_id)
+                                    for host_id, device_id in zip(host_ids, table))
+        if state is not None:
+            self._cache_states[request_id] = state
+        return True
 
     def take_block_copies(self) -> list[PendingCopy]:
         """The copies this step's allocations need, in the order they must run."""
@@ -207,6 +243,8 @@ class KVCacheManager:
         lacks the blocks, so the scheduler can preempt and retry. A first allocation may start the
         table with a prefix hit, and with `sequence` (a prefix-cache-enabled request) the
         request's full blocks are published to the cache as they are computed."""
+        if request_id in self._swapped:
+            return self._swap_in(request_id, num_total_tokens)
         table = self._block_tables.get(request_id)
         if table is not None:
             prefix = None       # hits only start a table
@@ -245,6 +283,9 @@ class KVCacheManager:
         table.extend(device_ids)
 
     def free(self, request_id: str) -> None:
+        swapped = self._swapped.pop(request_id, None)
+        if swapped is not None:
+            self.host_tier.release(swapped[0])
         table = self._block_tables.pop(request_id, None)
         state = self._cache_states.pop(request_id, None)
         if not table:

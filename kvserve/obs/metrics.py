@@ -88,6 +88,7 @@ HOST_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_host_blocks_moved_total",
     f"{NAMESPACE}:kv_host_blocks_evicted_total",
     f"{NAMESPACE}:kv_host_writes_dropped_total",
+    f"{NAMESPACE}:kv_host_swaps_total",
 )
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
@@ -137,6 +138,12 @@ class _EngineStateCollector:
             yield counter("kv_host_blocks_evicted", "Host KV blocks reused for newer blocks.", host.blocks_evicted)
             yield counter("kv_host_writes_dropped", "Write-backs to the host tier skipped (every host block was being "
                           "read that step).", host.writes_dropped)
+            swaps = CounterMetricFamily(f"{NAMESPACE}:kv_host_swaps", "Swap preemption: requests whose KV went to "
+                                        "the host tier (out), came back (in), or recomputed for lack of room (failed).",
+                                        labels=labels + ["event"])
+            for event, value in (("out", host.swapped_out), ("in", host.swapped_in), ("failed", host.swap_failures)):
+                swaps.add_metric(values + [event], value)
+            yield swaps
         yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Requests preempted (KV freed, recomputed later).",

@@ -218,7 +218,8 @@ class Scheduler:
         self.slo.num_rejected_in_queue += len(late)
 
     def _lookup(self, request: Request) -> Optional[PrefixHit]:
-        if not self.kv_manager.enable_prefix_caching or not request.uses_prefix_cache:
+        if (not self.kv_manager.enable_prefix_caching or not request.uses_prefix_cache
+                or self.kv_manager.is_swapped(request.request_id)):
             return None
         return self.kv_manager.find_cached_prefix(request)
 
@@ -255,6 +256,8 @@ class Scheduler:
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             hit = self._lookup(request)
             num_cached = hit.num_tokens if hit is not None else 0
+            if self.kv_manager.is_swapped(request.request_id):
+                num_cached = request.num_computed_tokens          # its KV comes back from the host
             num_new = request.num_tokens - num_cached
             if not chunked and num_new > budget:
                 # Admission bounds the prompt by the budget, but a preempted request recomputes its
@@ -298,8 +301,12 @@ class Scheduler:
                 request.num_bypassed += later_admitted
 
     def _preempt(self, request: Request) -> None:
-        self.kv_manager.free(request.request_id)
-        request.num_computed_tokens = 0
+        """Swap (its KV to the host tier, kept computed) where configured and the tier has room, else
+        recompute (its KV freed, computed again on resume)."""
+        swapped = self.config.preemption_mode == "swap" and self.kv_manager.swap_out(request.request_id)
+        if not swapped:
+            self.kv_manager.free(request.request_id)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1

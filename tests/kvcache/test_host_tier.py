@@ -155,8 +155,23 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
     prefixes = [[rng.randrange(50) for _ in range(BLOCK * rng.randint(1, 6))] for _ in range(5)]
     live: dict[str, _Seq] = {}
     host_content: dict[int, bytes] = {}         # host block -> the hash last written into it
+    swapped: dict[str, _Seq] = {}
     for step in range(300):
-        if live and (rng.random() < 0.45 or manager.num_free_blocks < 8):
+        expected: dict[int, bytes] = {}         # host block -> what a load this step must find there
+        if live and rng.random() < 0.1:
+            request_id = rng.choice(sorted(live))
+            if manager.swap_out(request_id):
+                swapped[request_id] = live.pop(request_id)
+        elif swapped and rng.random() < 0.3:
+            request_id = rng.choice(sorted(swapped))
+            if rng.random() < 0.3:
+                manager.free(request_id)               # aborted while swapped out
+                swapped.pop(request_id)
+            else:
+                expected = {host_id: b"swapped:" + request_id.encode() for host_id in manager._swapped[request_id][0]}
+                if manager.allocate_slots(request_id, swapped[request_id].num_tokens):
+                    live[request_id] = swapped.pop(request_id)
+        elif live and (rng.random() < 0.45 or manager.num_free_blocks < 8):
             request_id = rng.choice(sorted(live))
             seq = live.pop(request_id)
             manager.cache_full_blocks(request_id, seq.num_tokens)
@@ -168,19 +183,56 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
             expected = {host_id: seq.block_hashes[len(hit.block_ids) + i] for i, host_id in enumerate(hit.host_block_ids)}
             if manager.allocate_slots(seq.request_id, seq.num_tokens, hit, seq):
                 live[seq.request_id] = seq
-            for copy in manager.take_block_copies():
-                if copy.source == DEVICE_STORE:
-                    assert copy.destination == HOST_STORE and 0 <= copy.src_block_id < num_blocks
-                    assert 0 <= copy.dst_block_id < host_blocks
-                    host_content[copy.dst_block_id] = next(b.block_hash for b in tier._by_hash.values()
-                                                           if b.host_id == copy.dst_block_id)
-                else:
-                    assert 0 <= copy.dst_block_id < num_blocks
-                    assert host_content[copy.src_block_id] == expected[copy.src_block_id]
+        swapping_out = {host_id: request_id for request_id, (ids, _) in manager._swapped.items() for host_id in ids}
+        for copy in manager.take_block_copies():
+            if copy.source == DEVICE_STORE:
+                assert copy.destination == HOST_STORE and 0 <= copy.src_block_id < num_blocks
+                assert 0 <= copy.dst_block_id < host_blocks
+                owner = swapping_out.get(copy.dst_block_id)
+                host_content[copy.dst_block_id] = (b"swapped:" + owner.encode() if owner is not None else
+                                                   next(b.block_hash for b in tier._by_hash.values()
+                                                        if b.host_id == copy.dst_block_id))
+            else:
+                assert 0 <= copy.dst_block_id < num_blocks
+                assert host_content[copy.src_block_id] == expected[copy.src_block_id]
         assert manager.pool.num_used_blocks + manager.num_free_blocks == num_blocks
-        assert tier.num_used_blocks + len(tier._free) == host_blocks
+        held = sum(len(ids) for ids, _ in manager._swapped.values())
+        assert tier.num_used_blocks + len(tier._free) + held == host_blocks
         assert len({b.host_id for b in tier._by_hash.values()}) == tier.num_used_blocks
-    for request_id in list(live):
+    for request_id in list(live) + list(swapped):
         manager.free(request_id)
+    manager.take_block_copies()
     assert manager.num_free_blocks == num_blocks
-    assert tier.make_stats().blocks_loaded > 0 and tier.make_stats().blocks_written > 0
+    assert tier.num_used_blocks + len(tier._free) == host_blocks
+    stats = tier.make_stats()
+    assert stats.blocks_loaded > 0 and stats.blocks_written > 0 and stats.swapped_in > 0
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_swap_preemption_gives_the_tokens_of_running_alone(folder, name):
+    """--preemption-mode swap: preempted requests' KV goes to the host tier and comes back on resume
+    (not recomputed); every request's greedy tokens equal its run alone."""
+    options = FORMATS[name]
+    prompts = [[5 + (3 * i + 11 * j) % 240 for i in range(14 + 3 * j)] for j in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, **options)
+    alone = [probe.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    block_bytes = probe.engine.kv_bytes_per_token * BLOCK
+    llm = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 24,
+              kv_host_memory=block_bytes * 96, preemption_mode="swap", enable_prefix_caching=True,
+              async_scheduling="off", **options)
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    stats = llm.engine.make_stats()
+    assert stats.scheduler.num_preemptions_total > 0
+    assert stats.kv_cache.host.swapped_out > 0 and stats.kv_cache.host.swapped_in == stats.kv_cache.host.swapped_out
+    assert batched == alone
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+def test_swap_preemption_needs_the_host_tier(folder):
+    with pytest.raises(ValueError, match="kv_host_memory"):
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="sideways")

@@ -134,7 +134,7 @@ def test_the_expert_load_is_read_at_most_once_a_second_while_requests_run():
 
 def test_host_tier_metrics_come_from_the_kv_cache_stats():
     host = HostTierStats(num_blocks=64, used_blocks=10, hit_tokens=40, blocks_written=12, blocks_loaded=10,
-                         blocks_evicted=2, writes_dropped=1)
+                         blocks_evicted=2, writes_dropped=1, swapped_out=3, swapped_in=2, swap_failures=1)
     stats = EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600, host), 50, 20, {"stop": 4})
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
     samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
@@ -145,6 +145,8 @@ def test_host_tier_metrics_come_from_the_kv_cache_stats():
     assert samples['kvserve:kv_host_blocks_moved_total{direction="to_device",model_name="m"}'] == 10
     assert samples['kvserve:kv_host_blocks_evicted_total{model_name="m"}'] == 2
     assert samples['kvserve:kv_host_writes_dropped_total{model_name="m"}'] == 1
+    assert samples['kvserve:kv_host_swaps_total{event="out",model_name="m"}'] == 3
+    assert samples['kvserve:kv_host_swaps_total{event="failed",model_name="m"}'] == 1
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
     text = ServerMetrics(lambda: without, "m").render().decode()
     assert not any(name in text for name in HOST_TIER_METRIC_NAMES)
