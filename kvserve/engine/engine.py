@@ -34,7 +34,7 @@ from kvserve.model.builder import build_model, kernel_switches, resolve_device, 
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
 from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cache, spec_from_config
-from kvserve.worker.memory_profile import cuda_kv_budget
+from kvserve.worker.memory_profile import available_host_memory, cuda_kv_budget
 from kvserve.worker.runner import InflightStep, ModelRunner, StepResult
 
 logger = logging.getLogger("kvserve")
@@ -177,6 +177,11 @@ class Engine:
         if not prefix_caching:
             logger.warning("the host KV tier is off: it keeps blocks the prefix cache evicts, and prefix caching is off")
             return None
+        available = available_host_memory()
+        if available is not None and cache_cfg.kv_host_memory > available:
+            raise ValueError(f"kv_host_memory of {cache_cfg.kv_host_memory} bytes exceeds the host memory available "
+                             f"now ({available} bytes, MemAvailable); ask for at most that, less what the process "
+                             f"needs besides")
         block_bytes = self.kv_spec.bytes_per_token * cache_cfg.block_size
         num_blocks = cache_cfg.kv_host_memory // block_bytes
         if num_blocks < 1:

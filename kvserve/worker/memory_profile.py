@@ -28,3 +28,16 @@ def cuda_kv_budget(model: CausalLM, device: torch.device, dtype: torch.dtype, bl
     if budget <= 0:
         raise ValueError("no GPU memory left for the KV cache after weights and activations")
     return budget
+
+
+def available_host_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of host memory the kernel says can be allocated without swapping (MemAvailable), or
+    None where it does not say (not Linux)."""
+    try:
+        with open(meminfo) as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -82,6 +82,16 @@ def test_host_tier_needs_prefix_caching(folder, caplog):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=-1)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=8)
+    with pytest.raises(ValueError, match=r"kv_host_memory of 1000000000000000 bytes exceeds the host memory available now \(\d+"):
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=10 ** 15)
+
+
+def test_available_host_memory_reads_meminfo(tmp_path):
+    from kvserve.worker.memory_profile import available_host_memory
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32768000 kB\nMemFree:         1000 kB\nMemAvailable:   20480000 kB\n")
+    assert available_host_memory(str(meminfo)) == 20480000 * 1024
+    assert available_host_memory(str(tmp_path / "missing")) is None
 
 
 def _chain(n: int, start: int = 0) -> list[tuple[bytes, bytes, tuple[int, ...]]]:
