@@ -177,6 +177,9 @@ class CacheConfig:
     kv_host_memory: int = _opt(0, "bytes of host RAM (pinned on CUDA) that keep KV blocks the GPU cache evicts, in "
                                   "their stored format, and load them back on a prefix hit; 0 = off (needs prefix "
                                   "caching)", bytes=True, **bounds(ge=0, unit="bytes"))
+    kv_host_write_policy: str = _opt("write-back", "when a GPU block is copied to the host tier: write-back (when the "
+                                                   "GPU cache evicts it) or write-through (once it is full; its "
+                                                   "eviction then copies nothing)", choices=("write-back", "write-through"))
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
                                       **bounds(ge=0, le=1))
     # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).

@@ -102,7 +102,8 @@ class Engine:
         host_tier = HostTier(self.host_store.num_blocks) if self.host_store is not None else None
         if config.scheduler_config.preemption_mode == "swap" and self.host_store is None:
             raise ValueError("preemption_mode swap needs the host KV tier: kv_host_memory > 0, with prefix caching on")
-        self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier,
+                                         write_through=cache_cfg.kv_host_write_policy == "write-through")
         # Tenant namespaces, pins and the published prefix-cache stats (docs/prefix_caching.md).
         self.prefix = PrefixControl(self.kv_manager, cache_cfg.eviction_policy, cache_cfg.prefix_sharing,
                                     cache_cfg.prefix_share_groups)

@@ -65,12 +65,14 @@ class _CacheState:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: Optional[PrefixCache] = None,
-                 host_tier: Optional[HostTier] = None) -> None:
+                 host_tier: Optional[HostTier] = None, write_through: bool = False) -> None:
         if host_tier is not None and prefix_cache is None:
             raise ValueError("a host KV tier needs prefix caching (it keeps the blocks the prefix cache evicts)")
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.host_tier = host_tier
+        # Write-through: a block goes to the host once it is full (and published), not when evicted.
+        self.write_through = write_through and host_tier is not None
         self.pool = BlockPool(num_blocks, prefix_cache)
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
@@ -82,9 +84,15 @@ class KVCacheManager:
 
     # --- the host tier -----------------------------------------------------------------------------
     def _write_back(self, cached: CachedBlock) -> None:
-        host_id = self.host_tier.store(cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
+        self._copy_to_host(cached.block_id, cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
+
+    def _copy_to_host(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int],
+                      namespace: str) -> None:
+        """Queues the block's copy to the host tier, unless the host already holds it (a full block
+        never changes: one copy is enough)."""
+        host_id = self.host_tier.store(block_hash, parent_hash, token_ids, namespace)
         if host_id is not None:
-            self._pending_copies.append(PendingCopy(DEVICE_STORE, HOST_STORE, cached.block_id, host_id))
+            self._pending_copies.append(PendingCopy(DEVICE_STORE, HOST_STORE, block_id, host_id))
 
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._swapped
@@ -221,7 +229,9 @@ class KVCacheManager:
         for index in range(state.num_published, end):
             parent = hashes[index - 1] if index else seq.cache_root
             tokens = seq.token_ids_between(index * bs, (index + 1) * bs)
-            self.prefix_cache.insert(table[index], hashes[index], parent, tokens, seq.cache_namespace, index)
+            inserted = self.prefix_cache.insert(table[index], hashes[index], parent, tokens, seq.cache_namespace, index)
+            if inserted and self.write_through:
+                self._copy_to_host(table[index], hashes[index], parent, tokens, seq.cache_namespace)
         state.num_published = end
 
     def pin_prefix(self, token_ids: Sequence[int], namespace: str, ttl_s: float) -> tuple[Pin, int]:

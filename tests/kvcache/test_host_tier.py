@@ -246,3 +246,22 @@ def test_swap_preemption_needs_the_host_tier(folder):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="swap")
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="sideways")
+
+
+def test_write_through_copies_each_full_block_once(folder):
+    """write-through: blocks go to the host as soon as they are full; evicting them later copies
+    nothing more, and a host hit still gives the GPU hit's tokens."""
+    llm = _llm(folder, host_blocks=64, kv_host_write_policy="write-through")
+    cold = _tokens(llm, PROMPT)
+    warm = _tokens(llm, PROMPT)
+    written = llm.engine.make_stats().kv_cache.host.blocks_written
+    assert written >= 10                         # the prompt's 10 full blocks (and full output blocks)
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    assert _tokens(llm, PROMPT) == warm
+    host = llm.engine.make_stats().kv_cache.host
+    assert host.hit_tokens == 10 * BLOCK
+    # Only the fillers' blocks were written since: each full block once, none again at eviction.
+    filler_blocks = sum((len(f) + PARAMS.max_tokens - 1) // BLOCK for f in FILLERS)
+    assert host.blocks_written - written <= filler_blocks
+    assert cold == warm
