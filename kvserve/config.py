@@ -178,8 +178,12 @@ class CacheConfig:
                                   "their stored format, and load them back on a prefix hit; 0 = off (needs prefix "
                                   "caching)", bytes=True, **bounds(ge=0, unit="bytes"))
     kv_host_write_policy: str = _opt("write-back", "when a GPU block is copied to the host tier: write-back (when the "
-                                                   "GPU cache evicts it) or write-through (once it is full; its "
-                                                   "eviction then copies nothing)", choices=("write-back", "write-through"))
+                                                   "GPU cache evicts it), write-through (once it is full; its "
+                                                   "eviction then copies nothing) or selective (when evicted, if at "
+                                                   "least --kv-host-min-uses requests used it)",
+                                     choices=("write-back", "write-through", "selective"))
+    kv_host_min_uses: int = _opt(2, "selective write policy: requests that must have used a block (its first "
+                                    "computation included) for its eviction to copy it to the host tier", **bounds(ge=1))
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
                                       **bounds(ge=0, le=1))
     # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).

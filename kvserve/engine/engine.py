@@ -102,8 +102,10 @@ class Engine:
         host_tier = HostTier(self.host_store.num_blocks) if self.host_store is not None else None
         if config.scheduler_config.preemption_mode == "swap" and self.host_store is None:
             raise ValueError("preemption_mode swap needs the host KV tier: kv_host_memory > 0, with prefix caching on")
+        policy = cache_cfg.kv_host_write_policy
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier,
-                                         write_through=cache_cfg.kv_host_write_policy == "write-through")
+                                         write_through=policy == "write-through",
+                                         write_back_min_uses=cache_cfg.kv_host_min_uses if policy == "selective" else 1)
         # Tenant namespaces, pins and the published prefix-cache stats (docs/prefix_caching.md).
         self.prefix = PrefixControl(self.kv_manager, cache_cfg.eviction_policy, cache_cfg.prefix_sharing,
                                     cache_cfg.prefix_share_groups)

@@ -65,7 +65,8 @@ class _CacheState:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: Optional[PrefixCache] = None,
-                 host_tier: Optional[HostTier] = None, write_through: bool = False) -> None:
+                 host_tier: Optional[HostTier] = None, write_through: bool = False,
+                 write_back_min_uses: int = 1) -> None:
         if host_tier is not None and prefix_cache is None:
             raise ValueError("a host KV tier needs prefix caching (it keeps the blocks the prefix cache evicts)")
         self.block_size = block_size
@@ -73,6 +74,8 @@ class KVCacheManager:
         self.host_tier = host_tier
         # Write-through: a block goes to the host once it is full (and published), not when evicted.
         self.write_through = write_through and host_tier is not None
+        # Selective: an evicted block is copied only if this many requests used it.
+        self.write_back_min_uses = write_back_min_uses
         self.pool = BlockPool(num_blocks, prefix_cache)
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
@@ -84,6 +87,8 @@ class KVCacheManager:
 
     # --- the host tier -----------------------------------------------------------------------------
     def _write_back(self, cached: CachedBlock) -> None:
+        if cached.stats.count < self.write_back_min_uses:
+            return
         self._copy_to_host(cached.block_id, cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
 
     def _copy_to_host(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int],

@@ -265,3 +265,21 @@ def test_write_through_copies_each_full_block_once(folder):
     filler_blocks = sum((len(f) + PARAMS.max_tokens - 1) // BLOCK for f in FILLERS)
     assert host.blocks_written - written <= filler_blocks
     assert cold == warm
+
+
+def test_selective_writes_back_only_blocks_used_often_enough(folder):
+    """selective (min uses 2): a prompt used once is not copied when evicted, so it is recomputed;
+    one used twice is copied and comes back from the host."""
+    llm = _llm(folder, host_blocks=64, kv_host_write_policy="selective", kv_host_min_uses=2)
+    _tokens(llm, PROMPT)
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    assert llm.engine.make_stats().kv_cache.host.blocks_written == 0      # every block was used once
+    warm_first = _tokens(llm, PROMPT)                                         # recomputed: nothing on the host
+    assert llm.engine.make_stats().kv_cache.host.hit_tokens == 0
+    _tokens(llm, PROMPT)                                                      # a GPU hit: used twice now
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    host = llm.engine.make_stats().kv_cache.host
+    assert host.blocks_written >= 10
+    assert _tokens(llm, PROMPT) == warm_first and llm.engine.make_stats().kv_cache.host.hit_tokens == 10 * BLOCK
