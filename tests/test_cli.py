@@ -50,6 +50,21 @@ def test_bench_writes_json(tiny_checkpoint, tmp_path):
     assert record["command"].startswith("kvserve bench")
 
 
+def test_bench_reports_the_host_tier(tiny_checkpoint, tmp_path):
+    """With --kv-host-memory, each point's JSON carries the host tier's counters."""
+    import gc
+    folder, _ = tiny_checkpoint
+    out = tmp_path / "bench.json"
+    try:
+        assert main(["bench", "--model", folder, "--device", TEST_DEVICE, "--batch-sizes", "2", "--input-len", "8",
+                     "--output-len", "4", "--kv-cache-memory", "4MiB", "--kv-host-memory", "1MiB",
+                     "--json", str(out)]) == 0
+    finally:
+        gc.unfreeze()
+    host = json.loads(out.read_text())["points"][0]["extra"]["kv_host"]
+    assert host["num_blocks"] > 0 and set(host) >= {"hit_tokens", "blocks_written", "blocks_loaded", "swapped_out"}
+
+
 @requires_default_model
 def test_generate_default_model_subprocess():
     proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "What is the capital of France?",
