@@ -26,8 +26,8 @@ from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.stats import EngineStats, ExpertLoadStats
 from kvserve.kvcache.host_tier import HostTier
-from kvserve.kvcache.manager import HOST_STORE, KVCacheManager
-from kvserve.kvstore import KVCacheStore
+from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvstore import HOST_STORE, KVCacheStore
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.builder import build_model, kernel_switches, resolve_device, resolve_dtype
@@ -377,7 +377,6 @@ class Engine:
                     return outputs
             return outputs + self._run_step(sched_out)
         finally:
-            self.prefix.publish()
             if self.scheduler.slo is not None and sched_out is not None and sched_out.scheduled:
                 self.scheduler.slo.observe_step(time.monotonic() - started, len(sched_out.scheduled),
                                                 sched_out.num_batched_tokens)

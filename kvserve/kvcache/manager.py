@@ -25,15 +25,12 @@ from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.prefix_cache import (CachedBlock, HashedSequence, Pin, PrefixCache, chain_hashes,
                                           hash_block, namespace_root)
+from kvserve.kvstore import DEVICE_STORE, HOST_STORE, BlockCopy
 from kvserve.stats import KVCacheStats
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-# Where a block copy reads or writes: the worker's stores of these names (worker/runner.py).
-DEVICE_STORE, HOST_STORE = "device", "host"
 
 
 @dataclass
@@ -44,15 +41,6 @@ class PrefixHit:
     num_query_tokens: int = 0           # tokens the lookup was for (hit-rate denominator)
     num_query_blocks: int = 0           # full blocks of those tokens (hashes computed)
     host_block_ids: list[int] = field(default_factory=list)   # the host blocks that continue it
-
-
-@dataclass(frozen=True)
-class PendingCopy:
-    """One block to copy before the step's forward (the scheduler hands these to the worker)."""
-    source: str
-    destination: str
-    src_block_id: int
-    dst_block_id: int
 
 
 @dataclass
@@ -79,7 +67,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, prefix_cache)
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
-        self._pending_copies: list[PendingCopy] = []
+        # This step's copies as runs: (source, destination, source ids, destination ids), in order.
+        self._pending_copies: list[tuple[str, str, list[int], list[int]]] = []
         # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
         self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
         if host_tier is not None:
@@ -97,7 +86,15 @@ class KVCacheManager:
         never changes: one copy is enough)."""
         host_id = self.host_tier.store(block_hash, parent_hash, token_ids, namespace)
         if host_id is not None:
-            self._pending_copies.append(PendingCopy(DEVICE_STORE, HOST_STORE, block_id, host_id))
+            self._queue_copies(DEVICE_STORE, HOST_STORE, [block_id], [host_id])
+
+    def _queue_copies(self, source: str, destination: str, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Appends to this step's copies; copies between the same two stores as the last run join it."""
+        if self._pending_copies and self._pending_copies[-1][:2] == (source, destination):
+            self._pending_copies[-1][2].extend(src_ids)
+            self._pending_copies[-1][3].extend(dst_ids)
+        else:
+            self._pending_copies.append((source, destination, list(src_ids), list(dst_ids)))
 
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._swapped
@@ -112,8 +109,7 @@ class KVCacheManager:
         host_ids = self.host_tier.reserve(len(table))
         if host_ids is None:
             return False
-        self._pending_copies.extend(PendingCopy(DEVICE_STORE, HOST_STORE, device_id, host_id)
-                                    for device_id, host_id in zip(table, host_ids))
+        self._queue_copies(DEVICE_STORE, HOST_STORE, table, host_ids)
         state = self._cache_states.get(request_id)
         self.free(request_id)
         self._swapped[request_id] = (host_ids, state)
@@ -127,15 +123,16 @@ class KVCacheManager:
         del self._swapped[request_id]
         self.host_tier.swap_in(host_ids)        # held before allocating: write-backs must not take them
         table = self._block_tables[request_id] = self.pool.allocate(needed)
-        self._pending_copies.extend(PendingCopy(HOST_STORE, DEVICE_STORE, host_id, device_id)
-                                    for host_id, device_id in zip(host_ids, table))
+        self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, table[:len(host_ids)])
         if state is not None:
             self._cache_states[request_id] = state
         return True
 
-    def take_block_copies(self) -> list[PendingCopy]:
+    def take_block_copies(self) -> list[BlockCopy]:
         """The copies this step's allocations need, in the order they must run."""
-        copies, self._pending_copies = self._pending_copies, []
+        copies = [BlockCopy(source, destination, tuple(src), tuple(dst))
+                  for source, destination, src, dst in self._pending_copies]
+        self._pending_copies = []
         if self.host_tier is not None:
             self.host_tier.end_step()
         return copies
@@ -293,8 +290,7 @@ class KVCacheManager:
         # before these loads overwrite them.
         self.host_tier.begin_load(host_ids, self.block_size)
         device_ids = self.pool.allocate(len(host_ids))
-        self._pending_copies.extend(PendingCopy(HOST_STORE, DEVICE_STORE, host_id, device_id)
-                                    for host_id, device_id in zip(host_ids, device_ids))
+        self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids)
         table.extend(device_ids)
 
     def free(self, request_id: str) -> None:

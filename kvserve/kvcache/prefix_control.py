@@ -1,10 +1,9 @@
-"""The engine's handle on prefix caching: namespaces (tenant isolation), pins, published stats.
+"""The engine's handle on prefix caching: namespaces (tenant isolation), pins, stats.
 
 The engine builds one `PrefixControl` beside its KV manager. It maps a request's tenant and
 cache_salt to the namespace its blocks are cached in, pins and unpins prefixes on behalf of a
-tenant (a tenant sees and removes only its own pins), and publishes an immutable
-`PrefixCacheStats` after every engine step, which /metrics reads from another thread without
-touching the engine.
+tenant (a tenant sees and removes only its own pins), and makes the prefix cache's
+`PrefixCacheStats` for `Engine.make_stats` (which /metrics reads through the engine's snapshot).
 """
 
 from __future__ import annotations
@@ -41,8 +40,6 @@ class PrefixControl:
         self.policy_name = policy_name if self.cache is not None else "off"
         self.sharing = sharing
         self.share_groups = parse_share_groups(share_groups)
-        self.stats: Optional[PrefixCacheStats] = None
-        self.publish()
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +59,6 @@ class PrefixControl:
         if not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
             raise ValueError(f"pin ttl must be a positive number of seconds, got {ttl_s!r}")
         pin, cached = self.kv_manager.pin_prefix(token_ids, self.namespace(tenant, cache_salt), float(ttl_s))
-        self.publish()
         block_size = self.kv_manager.block_size
         return PinInfo(pin.pin_id, len(pin.block_hashes) * block_size, len(pin.block_hashes), cached,
                        pin.expires_at - self.cache.clock())
@@ -74,7 +70,6 @@ class PrefixControl:
         if pin is None or not self._owns(tenant, pin.namespace):
             return False
         self.cache.unpin(pin_id)
-        self.publish()
         return True
 
     def pins(self, tenant: Optional[str] = None) -> list[PinInfo]:
@@ -90,7 +85,7 @@ class PrefixControl:
             return PrefixCacheStats("off", "off")
         return self.cache.make_stats(self.policy_name)
 
-    def publish(self) -> None:
-        """Replaces `stats` with a fresh immutable copy (one reference swap: safe to read from
-        another thread)."""
-        self.stats = self.make_stats()
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """The stats now (engine thread); other threads read them from the engine's snapshot."""
+        return self.make_stats()

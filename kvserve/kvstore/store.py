@@ -38,7 +38,24 @@ from kvserve.kvstore.quantized_part import QuantizedKVCache
 from kvserve.kvstore.spec import KVCacheSpec
 
 KVPart = Union[torch.Tensor, QuantizedKVCache]
+# The names block copies give the worker's stores.
+DEVICE_STORE, HOST_STORE = "device", "host"
 BlockIds = Union[Sequence[int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Blocks to copy between two named KV stores (the worker's: DEVICE_STORE is the paged cache
+    the model reads; a tier registers its own), run before a step's forward."""
+    source: str
+    destination: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ValueError(f"a block copy needs as many source blocks ({len(self.src_block_ids)}) "
+                             f"as destination blocks ({len(self.dst_block_ids)})")
 
 
 def is_quantized(part: KVPart) -> bool:
@@ -140,15 +157,12 @@ class KVCacheStore:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole store: blocks and per-sequence state."""
-        rows = sum(t.numel() * t.element_size() for part in self._quantized_parts()
+        rows = sum(t.numel() * t.element_size() for part in self.quantized_parts()
                    for t in (part.window, part.residual) if t is not None)
         return self.block_nbytes * self.num_blocks + rows
 
     def quantized_parts(self) -> list[QuantizedKVCache]:
-        return list(self._quantized_parts())
-
-    def _quantized_parts(self) -> Iterator[QuantizedKVCache]:
-        return (part for layer in self.layers for part in layer if is_quantized(part))
+        return [part for layer in self.layers for part in layer if is_quantized(part)]
 
     # --- per-sequence state -----------------------------------------------------------------------
     def clear_residuals(self, rows: Sequence[int]) -> None:
@@ -156,7 +170,7 @@ class KVCacheStore:
         if not rows or not self.spec.error_feedback:
             return
         index = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
-        for part in self._quantized_parts():
+        for part in self.quantized_parts():
             if part.residual is not None:
                 part.residual.index_fill_(0, index, 0.0)
 
@@ -177,7 +191,7 @@ class KVCacheStore:
         dst_ring = _ring_index(dst_rows, ring, dst.device)
         src_index = torch.as_tensor(list(src_rows), dtype=torch.long, device=self.device)
         dst_index = torch.as_tensor(list(dst_rows), dtype=torch.long, device=dst.device)
-        for mine, theirs in zip(self._quantized_parts(), dst._quantized_parts()):
+        for mine, theirs in zip(self.quantized_parts(), dst.quantized_parts()):
             if mine.window is not None:
                 theirs.window.index_copy_(0, dst_ring, mine.window.index_select(0, src_ring).to(dst.device))
             if mine.residual is not None:
@@ -256,7 +270,7 @@ class KVCacheStore:
     def check_same_layout(self, other: "KVCacheStore") -> None:
         if other.layout != self.layout:
             raise ValueError(f"KV stores differ in layout: {self.layout} vs {other.layout}")
-        for mine, theirs in zip(self._quantized_parts(), other._quantized_parts()):
+        for mine, theirs in zip(self.quantized_parts(), other.quantized_parts()):
             if mine.static_scale is not None and not torch.equal(mine.static_scale.cpu(), theirs.static_scale.cpu()):
                 raise ValueError("KV stores differ in their static scales")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.kvstore import BlockCopy
 from kvserve.sched.request import Request
 
 
@@ -18,21 +19,6 @@ class ScheduledRequest:
     def samples_token(self) -> bool:
         """After this step the request's every token is computed, so the step yields its next token."""
         return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class BlockCopy:
-    """Blocks to copy between two KV stores before the step's forward (the worker names its stores:
-    "device" is the paged cache the model reads; a tier adds its own)."""
-    source: str
-    destination: str
-    src_block_ids: tuple[int, ...]
-    dst_block_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.src_block_ids) != len(self.dst_block_ids):
-            raise ValueError(f"a block copy needs as many source blocks ({len(self.src_block_ids)}) "
-                             f"as destination blocks ({len(self.dst_block_ids)})")
 
 
 @dataclass

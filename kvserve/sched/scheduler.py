@@ -27,10 +27,10 @@ from collections import deque
 from typing import Optional
 
 from kvserve.config import SchedulerConfig
-from kvserve.sched.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
-from kvserve.kvcache.manager import KVCacheManager, PendingCopy, PrefixHit, blocks_for_tokens
+from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
 from kvserve.stats import SchedulerStats
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
@@ -39,14 +39,6 @@ CACHE_AWARE_WINDOW = 64
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the model or the KV cache): rejected at admission."""
-
-
-def block_copies(pending: list[PendingCopy]) -> list[BlockCopy]:
-    """The manager's single-block copies as BlockCopy runs: consecutive copies between the same two
-    stores become one (the order between runs is kept: it is what makes them correct)."""
-    return [BlockCopy(source, destination, tuple(c.src_block_id for c in run), tuple(c.dst_block_id for c in run))
-            for (source, destination), group in itertools.groupby(pending, key=lambda c: (c.source, c.destination))
-            for run in (list(group),)]
 
 
 class SchedulerStalled(RuntimeError):
@@ -198,7 +190,7 @@ class Scheduler:
         # the preempted requests need to come back.
         if not out.preempted:
             self._admit_waiting(out, budget)
-        out.block_copies = block_copies(self.kv_manager.take_block_copies())
+        out.block_copies = self.kv_manager.take_block_copies()
         return out
 
     def _shed_late(self, out: SchedulerOutput) -> None:

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 
 from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
-from kvserve.kvcache.manager import DEVICE_STORE
-from kvserve.kvstore import KVCacheSpec, KVCacheStore
+from kvserve.kvstore import DEVICE_STORE, BlockCopy, KVCacheSpec, KVCacheStore
 from kvserve.model.interfaces import CausalLM
-from kvserve.sched.output import BlockCopy, ScheduledRequest, SchedulerOutput
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_path import choose_forward

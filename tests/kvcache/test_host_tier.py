@@ -154,7 +154,8 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
     asked for, and once every request is gone both pools account for every block."""
     import random
 
-    from kvserve.kvcache.manager import DEVICE_STORE, HOST_STORE, KVCacheManager
+    from kvserve.kvcache.manager import KVCacheManager
+    from kvserve.kvstore import DEVICE_STORE, HOST_STORE
     from kvserve.kvcache.policies import make_policy
     from kvserve.kvcache.prefix_cache import PrefixCache
     rng = random.Random(seed)
@@ -195,16 +196,15 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
                 live[seq.request_id] = seq
         swapping_out = {host_id: request_id for request_id, (ids, _) in manager._swapped.items() for host_id in ids}
         for copy in manager.take_block_copies():
-            if copy.source == DEVICE_STORE:
-                assert copy.destination == HOST_STORE and 0 <= copy.src_block_id < num_blocks
-                assert 0 <= copy.dst_block_id < host_blocks
-                owner = swapping_out.get(copy.dst_block_id)
-                host_content[copy.dst_block_id] = (b"swapped:" + owner.encode() if owner is not None else
-                                                   next(b.block_hash for b in tier._by_hash.values()
-                                                        if b.host_id == copy.dst_block_id))
-            else:
-                assert 0 <= copy.dst_block_id < num_blocks
-                assert host_content[copy.src_block_id] == expected[copy.src_block_id]
+            for src, dst in zip(copy.src_block_ids, copy.dst_block_ids):
+                if copy.source == DEVICE_STORE:
+                    assert copy.destination == HOST_STORE and 0 <= src < num_blocks and 0 <= dst < host_blocks
+                    owner = swapping_out.get(dst)
+                    host_content[dst] = (b"swapped:" + owner.encode() if owner is not None else
+                                         next(b.block_hash for b in tier._by_hash.values() if b.host_id == dst))
+                else:
+                    assert 0 <= dst < num_blocks
+                    assert host_content[src] == expected[src]
         assert manager.pool.num_used_blocks + manager.num_free_blocks == num_blocks
         held = sum(len(ids) for ids, _ in manager._swapped.values())
         assert tier.num_used_blocks + len(tier._free) + held == host_blocks
