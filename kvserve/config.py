@@ -174,9 +174,11 @@ class CacheConfig:
                                choices=("tenant", "global"))
     prefix_share_groups: Optional[str] = _opt(None, "tenants that share cached prefixes, e.g. 'a,b;c,d'")
     # The host KV tier (kvserve/kvcache/host_tier.py; docs/kv_tiers.md).
-    kv_host_memory: int = _opt(0, "bytes of host RAM (pinned on CUDA) that keep KV blocks the GPU cache evicts, in "
-                                  "their stored format, and load them back on a prefix hit; 0 = off (needs prefix "
-                                  "caching)", bytes=True, **bounds(ge=0, unit="bytes"))
+    kv_host_memory: Optional[int] = _opt(None, "bytes of host RAM (pinned on CUDA) that keep KV blocks the GPU cache "
+                                               "evicts, in their stored format, and load them back on a prefix hit; "
+                                               "0 = off (needs prefix caching; default: off on CPU, on CUDA a quarter "
+                                               "of the free host RAM, at most twice the GPU KV cache and 32 GiB)",
+                                         bytes=True, **bounds(ge=0, unit="bytes"))
     kv_host_write_policy: str = _opt("write-back", "when a GPU block is copied to the host tier: write-back (when the "
                                                    "GPU cache evicts it), write-through (once it is full; its "
                                                    "eviction then copies nothing) or selective (when evicted, if at "
@@ -221,8 +223,9 @@ class SchedulerConfig:
     cache_aware_max_bypass: int = _opt(8, "cache-aware order: times a request may be overtaken before it goes first",
                                        **bounds(ge=0))
     preemption_mode: str = _opt("recompute", "what a preempted request's KV becomes: recompute (freed, computed again "
-                                             "on resume) or swap (copied to the host KV tier and loaded back on resume; "
-                                             "needs --kv-host-memory)", choices=("recompute", "swap"))
+                                             "on resume), swap (copied to the host KV tier and loaded back on resume; "
+                                             "needs --kv-host-memory) or auto (swap when the measured copy time is "
+                                             "below the measured recompute time)", choices=("recompute", "swap", "auto"))
     async_scheduling: str = _opt("auto", "queue each step before the previous step's tokens reach the host, so "
                                          "scheduling and output handling overlap the GPU's work (steps that need "
                                          "penalties or logprobs run synchronously); auto: on for CUDA",

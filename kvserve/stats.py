@@ -36,6 +36,19 @@ class HostTierStats:
     swapped_out: int = 0         # preempted requests whose blocks went to the host (--preemption-mode swap)
     swapped_in: int = 0          # of those, resumed from the host
     swap_failures: int = 0       # preemptions that recomputed: the host tier had no room for the blocks
+    load_failures: int = 0       # loads or swaps whose copy failed: the request recomputed
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Block copies between the GPU and its tiers (kvserve/worker/kv_transfer.py), totals since start."""
+    bytes_to_device: int
+    bytes_to_host: int
+    loads: int                   # loads and swap-ins that landed
+    load_seconds: float          # their summed transfer time (CUDA events on a GPU)
+    load_buckets: tuple[tuple[float, int], ...]    # (upper bound in seconds, loads in that bucket alone)
+    write_backs_dropped: int     # dropped under back-pressure (too many write-back bytes in flight)
+    copy_failures: int           # copies that raised: a load recomputes, a write-back is forgotten
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class KVCacheStats:
     usage: float                 # fraction of blocks in use (held by requests or cached)
     capacity_tokens: int         # num_blocks x block_size: what the cache holds in tokens
     host: Optional[HostTierStats] = None     # None: no host tier
+    transfers: Optional[TransferStats] = None   # None: no host tier
 
 
 @dataclass(frozen=True)
@@ -119,6 +133,7 @@ class SchedulerStats:
     num_waiting: int
     num_preemptions_total: int
     latency: Optional[LatencyTargetStats] = None      # None without latency targets
+    num_loading: int = 0         # admitted, waiting for their KV to arrive from a tier
 
 
 @dataclass(frozen=True)

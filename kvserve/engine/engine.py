@@ -22,6 +22,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.stats import EngineStats, ExpertLoadStats
@@ -34,7 +35,7 @@ from kvserve.model.builder import build_model, kernel_switches, resolve_device, 
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
 from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cache, spec_from_config
-from kvserve.worker.memory_profile import available_host_memory, cuda_kv_budget
+from kvserve.worker.memory_profile import available_host_memory, cuda_kv_budget, default_host_tier_bytes
 from kvserve.worker.runner import InflightStep, ModelRunner, StepResult
 
 logger = logging.getLogger("kvserve")
@@ -98,10 +99,12 @@ class Engine:
         num_blocks = sizing.num_blocks
         block_size = cache_cfg.block_size
         prefix_cache = self._build_prefix_cache(num_blocks)
-        self.host_store = self._build_host_store(prefix_cache is not None)
+        self.host_store = self._build_host_store(prefix_cache is not None, num_blocks)
         host_tier = HostTier(self.host_store.num_blocks) if self.host_store is not None else None
-        if config.scheduler_config.preemption_mode == "swap" and self.host_store is None:
-            raise ValueError("preemption_mode swap needs the host KV tier: kv_host_memory > 0, with prefix caching on")
+        preemption_mode = config.scheduler_config.preemption_mode
+        if preemption_mode in ("swap", "auto") and self.host_store is None:
+            raise ValueError(f"preemption_mode {preemption_mode} needs the host KV tier: kv_host_memory > 0, with "
+                             f"prefix caching on")
         policy = cache_cfg.kv_host_write_policy
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier,
                                          write_through=policy == "write-through",
@@ -120,15 +123,20 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)
+        self.preemption_cost: Optional[PreemptionCost] = None
         if self.host_store is not None:
             self.runner.register_store(HOST_STORE, self.host_store)
+            link = self.runner.transfers.measure_link(HOST_STORE)
+            logger.info("host KV tier link: %.1f GB/s host to device (measured)", link / 1e9)
+            if preemption_mode == "auto":
+                self.preemption_cost = PreemptionCost(self.kv_bytes_per_token, transfer_bytes_per_s=link)
         if not model_cfg.enforce_eager:
             started = time.perf_counter()
             self.runner.capture_cuda_graphs(config.scheduler_config.max_num_seqs, max_model_len)
             if self.runner.graphs is not None:
                 logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
                             self.runner.graphs.sizes, time.perf_counter() - started)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len, self.preemption_cost)
         if self.scheduler.slo is not None:
             self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
         self.stats = EngineCounters()
@@ -171,33 +179,37 @@ class Engine:
             budget = DEFAULT_CPU_KV_BYTES
         return size_kv_cache(self.kv_spec, budget, cache_cfg.block_size, sched.max_num_seqs)
 
-    def _build_host_store(self, prefix_caching: bool) -> Optional[KVCacheStore]:
+    def _build_host_store(self, prefix_caching: bool, num_device_blocks: int) -> Optional[KVCacheStore]:
         """The host tier's KV store (--kv-host-memory): blocks in the device store's format, in
         pinned memory on CUDA so copies to and from the GPU run at the link's rate."""
         cache_cfg = self.config.cache_config
-        if not cache_cfg.kv_host_memory:
+        available = available_host_memory()
+        requested = cache_cfg.kv_host_memory
+        block_bytes = self.kv_spec.bytes_per_token * cache_cfg.block_size
+        if requested is None:
+            requested = default_host_tier_bytes(self.device, available, num_device_blocks * block_bytes)
+        if not requested:
             return None
         if not prefix_caching:
             logger.warning("the host KV tier is off: it keeps blocks the prefix cache evicts, and prefix caching is off")
             return None
-        available = available_host_memory()
-        if available is not None and cache_cfg.kv_host_memory > available:
-            raise ValueError(f"kv_host_memory of {cache_cfg.kv_host_memory} bytes exceeds the host memory available "
+        if available is not None and requested > available:
+            raise ValueError(f"kv_host_memory of {requested} bytes exceeds the host memory available "
                              f"now ({available} bytes, MemAvailable); ask for at most that, less what the process "
                              f"needs besides")
-        block_bytes = self.kv_spec.bytes_per_token * cache_cfg.block_size
-        num_blocks = cache_cfg.kv_host_memory // block_bytes
+        num_blocks = requested // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"kv_host_memory of {cache_cfg.kv_host_memory} bytes holds no KV block "
-                             f"({block_bytes} bytes)")
+            raise ValueError(f"kv_host_memory of {requested} bytes holds no KV block ({block_bytes} bytes)")
         try:
             store = KVCacheStore.allocate_flat(self.kv_spec, num_blocks, cache_cfg.block_size,
                                                pin_memory=self.device.type == "cuda")
         except RuntimeError as exc:      # pinning more than the machine allows
-            raise ValueError(f"kv_host_memory of {cache_cfg.kv_host_memory} bytes cannot be allocated"
-                             f"{' pinned' if self.device.type == 'cuda' else ''}: {exc}") from None
-        logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, cache_cfg.block_size,
-                    num_blocks * cache_cfg.block_size, store.nbytes / 2**30)
+            raise ValueError(f"kv_host_memory of {requested} bytes cannot be allocated"
+                             f"{' pinned' if self.device.type == 'cuda' else ''} ({available} bytes available): "
+                             f"{exc}") from None
+        logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%.2f GiB%s)", num_blocks, cache_cfg.block_size,
+                    num_blocks * cache_cfg.block_size, store.nbytes / 2**30,
+                    ", the default: --kv-host-memory sets it, 0 turns it off" if cache_cfg.kv_host_memory is None else "")
         return store
 
     def _build_prefix_cache(self, num_blocks: int) -> Optional[PrefixCache]:
@@ -340,6 +352,7 @@ class Engine:
         started = time.monotonic()
         sched_out: Optional[SchedulerOutput] = None
         try:
+            self._collect_transfers()
             if self._inflight is not None and self._may_preempt():
                 # Preemption recomputes from the token list, which must hold no pending token.
                 outputs += self._finish_inflight()
@@ -349,6 +362,8 @@ class Engine:
             if sched_out.is_empty:
                 if self._inflight is not None:
                     outputs += self._finish_inflight()
+                elif self.scheduler.loading:
+                    self._collect_transfers(wait=True)      # nothing to run until a load lands
                 elif not sched_out.rejected and self.scheduler.is_stalled:
                     # Nothing runs, nothing was admitted, and nothing will change until a new command:
                     # callers that step until done would spin forever. Say so instead.
@@ -377,9 +392,24 @@ class Engine:
                     return outputs
             return outputs + self._run_step(sched_out)
         finally:
-            if self.scheduler.slo is not None and sched_out is not None and sched_out.scheduled:
-                self.scheduler.slo.observe_step(time.monotonic() - started, len(sched_out.scheduled),
-                                                sched_out.num_batched_tokens)
+            if sched_out is not None and sched_out.scheduled:
+                elapsed = time.monotonic() - started
+                if self.scheduler.slo is not None:
+                    self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
+                if self.preemption_cost is not None:
+                    self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed)
+
+    def _collect_transfers(self, wait: bool = False) -> None:
+        """Hands the worker's report on tier copies to the scheduler and the KV manager."""
+        transfers = self.runner.transfers
+        loaded, seconds = transfers.loaded_bytes, transfers.load_seconds
+        report = transfers.poll(wait)
+        if self.preemption_cost is not None:
+            self.preemption_cost.observe_transfer(transfers.loaded_bytes - loaded, transfers.load_seconds - seconds)
+        if report.lost_host_blocks:
+            self.kv_manager.forget_host_blocks(report.lost_host_blocks)
+        if report.landed or report.failed:
+            self.scheduler.complete_transfers(report.landed, report.failed)
 
     def _reject(self, requests: list[Request]) -> list[RequestOutput]:
         """Outputs for requests the scheduler shed; a group's other samples go with them."""
@@ -489,7 +519,10 @@ class Engine:
         """A frozen copy of what the engine's parts report (kvserve/stats.py): what metrics read."""
         counters = self.stats
         prefix_stats = self.prefix.make_stats()
-        return EngineStats(self.scheduler.make_stats(), self.kv_manager.make_stats(), counters.prompt_tokens_total,
+        kv_stats = self.kv_manager.make_stats()
+        if self.host_store is not None:
+            kv_stats = dataclasses.replace(kv_stats, transfers=self.runner.transfers.make_stats())
+        return EngineStats(self.scheduler.make_stats(), kv_stats, counters.prompt_tokens_total,
                            counters.generation_tokens_total, dict(counters.requests_finished_total),
                            prefix_cache=prefix_stats, expert_load=self._expert_load_stats())
 

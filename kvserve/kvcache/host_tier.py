@@ -34,6 +34,7 @@ class HostTier:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._by_hash: OrderedDict[bytes, HostBlock] = OrderedDict()    # least recently used first
+        self._hash_of: dict[int, bytes] = {}                             # host id -> its cached block
         # Host blocks a load of this step still has to read: never reused before the step's copies run.
         self._reading: set[int] = set()
         # Host blocks released by swap-ins: free once this step's copies (which read them) are handed on.
@@ -44,6 +45,7 @@ class HostTier:
         self.blocks_loaded = 0
         self.blocks_evicted = 0
         self.writes_dropped = 0
+        self.load_failures = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -64,6 +66,7 @@ class HostTier:
             self.writes_dropped += 1
             return None
         self._by_hash[block_hash] = HostBlock(host_id, block_hash, parent_hash, tuple(token_ids), namespace)
+        self._hash_of[host_id] = block_hash
         self.blocks_written += 1
         return host_id
 
@@ -73,6 +76,7 @@ class HostTier:
         for block_hash, block in self._by_hash.items():
             if block.host_id not in self._reading:
                 del self._by_hash[block_hash]
+                del self._hash_of[block.host_id]
                 self.blocks_evicted += 1
                 return block.host_id
         return None
@@ -104,6 +108,15 @@ class HostTier:
         self._free.extend(self._release_after_step)
         self._release_after_step.clear()
 
+    def forget(self, host_ids: Sequence[int]) -> None:
+        """These host blocks do not hold what the index says (their write-back was dropped or
+        failed, or a load from them failed): they leave the index and become free."""
+        for host_id in host_ids:
+            block_hash = self._hash_of.pop(host_id, None)
+            if block_hash is not None:
+                del self._by_hash[block_hash]
+                self._free.append(host_id)
+
     # --- swap preemption: a request's blocks, held outside the index until it resumes ----------------
     def reserve(self, count: int) -> Optional[list[int]]:
         """`count` host blocks for a swapped-out request (free ones first, then least recently used
@@ -133,4 +146,4 @@ class HostTier:
     def make_stats(self) -> HostTierStats:
         return HostTierStats(self.num_blocks, self.num_used_blocks, self.hit_tokens, self.blocks_written,
                              self.blocks_loaded, self.blocks_evicted, self.writes_dropped, self.swapped_out,
-                             self.swapped_in, self.swap_failures)
+                             self.swapped_in, self.swap_failures, self.load_failures)

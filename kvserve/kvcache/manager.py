@@ -12,8 +12,11 @@ whole blocks and the request's computation starts right after them.
 With a host tier (kvcache/host_tier.py), a cached block the GPU cache evicts is first copied to the
 host, and a prefix lookup that ends in the GPU cache continues in the host tier: those blocks are
 copied into freshly allocated GPU blocks. The copies are block copies of the step
-(`take_block_copies`), which the worker runs in order before the step's forward, so a write-back
-always reads a block before its new owner overwrites it, and a load lands before it is read.
+(`take_block_copies`), which the worker issues before the step's forward (kvserve/worker/
+kv_transfer.py): a write-back reads its block before the block's new owner overwrites it, and a
+load or swap-in carries a ticket. Until the worker reports the ticket landed (`complete_transfer`)
+the request is loading: the scheduler does not run it, and its table is not freed (an abort frees
+it when the copy has landed), so no other request's KV is written into blocks a copy still fills.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.prefix_cache import (CachedBlock, HashedSequence, Pin, PrefixCache, chain_hashes,
                                           hash_block, namespace_root)
-from kvserve.kvstore import DEVICE_STORE, HOST_STORE, BlockCopy
+from kvserve.kvstore import DEVICE_STORE, HOST_STORE, LOAD, SWAP_IN, SWAP_OUT, WRITE_BACK, BlockCopy
 from kvserve.stats import KVCacheStats
 
 
@@ -41,6 +44,14 @@ class PrefixHit:
     num_query_tokens: int = 0           # tokens the lookup was for (hit-rate denominator)
     num_query_blocks: int = 0           # full blocks of those tokens (hashes computed)
     host_block_ids: list[int] = field(default_factory=list)   # the host blocks that continue it
+
+
+@dataclass
+class _Transfer:
+    """A ticketed copy in flight: whose it is and which host blocks it reads or writes."""
+    request_id: str
+    purpose: str
+    host_ids: list[int]
 
 
 @dataclass
@@ -67,8 +78,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, prefix_cache)
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
-        # This step's copies as runs: (source, destination, source ids, destination ids), in order.
-        self._pending_copies: list[tuple[str, str, list[int], list[int]]] = []
+        # This step's copies as runs: (source, destination, purpose, ticket, source ids, destination ids).
+        self._pending_copies: list[tuple[str, str, str, Optional[int], list[int], list[int]]] = []
+        # Ticketed copies in flight, the tickets of loading requests, and the tables of requests
+        # freed while loading (freed when their copy lands).
+        self._transfers: dict[int, _Transfer] = {}
+        self._loading: dict[str, int] = {}
+        self._orphaned: dict[int, list[int]] = {}
+        self._next_ticket = 0
         # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
         self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
         if host_tier is not None:
@@ -88,13 +105,60 @@ class KVCacheManager:
         if host_id is not None:
             self._queue_copies(DEVICE_STORE, HOST_STORE, [block_id], [host_id])
 
-    def _queue_copies(self, source: str, destination: str, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """Appends to this step's copies; copies between the same two stores as the last run join it."""
-        if self._pending_copies and self._pending_copies[-1][:2] == (source, destination):
-            self._pending_copies[-1][2].extend(src_ids)
-            self._pending_copies[-1][3].extend(dst_ids)
+    def _queue_copies(self, source: str, destination: str, src_ids: Sequence[int], dst_ids: Sequence[int],
+                      purpose: str = WRITE_BACK, ticket: Optional[int] = None) -> None:
+        """Appends to this step's copies; an untracked copy of the same kind as the last run joins it."""
+        last = self._pending_copies[-1] if self._pending_copies else None
+        if ticket is None and last is not None and last[:4] == (source, destination, purpose, None):
+            last[4].extend(src_ids)
+            last[5].extend(dst_ids)
         else:
-            self._pending_copies.append((source, destination, list(src_ids), list(dst_ids)))
+            self._pending_copies.append((source, destination, purpose, ticket, list(src_ids), list(dst_ids)))
+
+    def _new_ticket(self, request_id: str, purpose: str, host_ids: list[int]) -> int:
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._transfers[ticket] = _Transfer(request_id, purpose, host_ids)
+        if purpose != SWAP_OUT:
+            self._loading[request_id] = ticket
+        return ticket
+
+    def is_loading(self, request_id: str) -> bool:
+        """Its blocks are being copied in from a tier: it may not run, and its table stays put."""
+        return request_id in self._loading
+
+    def complete_transfer(self, ticket: int, ok: bool) -> Optional[str]:
+        """The worker reports a ticketed copy landed (`ok`) or failed. Returns the id of the request
+        that must now recompute what the copy was to bring (a failed load or swap-in, or a failed
+        swap-out of a request still waiting), else None. A landed load's blocks join the prefix cache."""
+        transfer = self._transfers.pop(ticket, None)
+        if transfer is None:
+            return None
+        request_id = transfer.request_id
+        if self._loading.get(request_id) == ticket:
+            del self._loading[request_id]
+        orphan = self._orphaned.pop(ticket, None)
+        if orphan is not None:          # freed while loading: its blocks are safe to reuse now
+            self.pool.free(reversed(orphan))
+            return None
+        if ok:
+            return None
+        self.host_tier.load_failures += 1
+        if transfer.purpose == SWAP_OUT:
+            swapped = self._swapped.pop(request_id, None)
+            if swapped is None:
+                return None
+            self.host_tier.release(swapped[0])
+            return request_id
+        if transfer.purpose == LOAD:
+            self.host_tier.forget(transfer.host_ids)     # what they hold is in doubt: never hit again
+        self.free(request_id)
+        return request_id
+
+    def forget_host_blocks(self, host_ids: Sequence[int]) -> None:
+        """Host blocks a write-back did not fill (dropped under back-pressure, or failed)."""
+        if self.host_tier is not None:
+            self.host_tier.forget(host_ids)
 
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._swapped
@@ -109,7 +173,8 @@ class KVCacheManager:
         host_ids = self.host_tier.reserve(len(table))
         if host_ids is None:
             return False
-        self._queue_copies(DEVICE_STORE, HOST_STORE, table, host_ids)
+        self._queue_copies(DEVICE_STORE, HOST_STORE, table, host_ids, SWAP_OUT,
+                           self._new_ticket(request_id, SWAP_OUT, host_ids))
         state = self._cache_states.get(request_id)
         self.free(request_id)
         self._swapped[request_id] = (host_ids, state)
@@ -123,15 +188,16 @@ class KVCacheManager:
         del self._swapped[request_id]
         self.host_tier.swap_in(host_ids)        # held before allocating: write-backs must not take them
         table = self._block_tables[request_id] = self.pool.allocate(needed)
-        self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, table[:len(host_ids)])
+        self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, table[:len(host_ids)], SWAP_IN,
+                           self._new_ticket(request_id, SWAP_IN, host_ids))
         if state is not None:
             self._cache_states[request_id] = state
         return True
 
     def take_block_copies(self) -> list[BlockCopy]:
         """The copies this step's allocations need, in the order they must run."""
-        copies = [BlockCopy(source, destination, tuple(src), tuple(dst))
-                  for source, destination, src, dst in self._pending_copies]
+        copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket)
+                  for source, destination, purpose, ticket, src, dst in self._pending_copies]
         self._pending_copies = []
         if self.host_tier is not None:
             self.host_tier.end_step()
@@ -271,7 +337,7 @@ class KVCacheManager:
                 table.extend(prefix.block_ids)
             num_device_hits = len(table)
             if prefix is not None and prefix.host_block_ids:
-                self._load_from_host(prefix.host_block_ids, table)
+                self._load_from_host(request_id, prefix.host_block_ids, table)
             if self.prefix_cache is not None and sequence is not None:
                 # Loaded blocks are published to the GPU cache like computed ones, after the step.
                 state = self._cache_states[request_id] = _CacheState(sequence, num_published=num_device_hits)
@@ -284,13 +350,14 @@ class KVCacheManager:
             table.extend(self.pool.allocate(new))
         return True
 
-    def _load_from_host(self, host_ids: list[int], table: list[int]) -> None:
+    def _load_from_host(self, request_id: str, host_ids: list[int], table: list[int]) -> None:
         # Held first: allocating may evict GPU blocks, and their write-backs must not take the host
         # blocks these loads read. The write-backs are queued first, so they read their GPU blocks
         # before these loads overwrite them.
         self.host_tier.begin_load(host_ids, self.block_size)
         device_ids = self.pool.allocate(len(host_ids))
-        self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids)
+        self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids, LOAD,
+                           self._new_ticket(request_id, LOAD, list(host_ids)))
         table.extend(device_ids)
 
     def free(self, request_id: str) -> None:
@@ -307,6 +374,10 @@ class KVCacheManager:
             if state is not None and state.num_published > state.num_looked_up:
                 self.prefix_cache.observe_release(
                     state.sequence.block_hashes[state.num_looked_up:state.num_published], state.num_looked_up, now)
+        ticket = self._loading.pop(request_id, None)
+        if ticket is not None:          # a copy still fills some of these blocks: freed when it lands
+            self._orphaned[ticket] = table
+            return
         # Freed in reverse so the tail (least likely shared) is reused first.
         self.pool.free(reversed(table))
 

@@ -29,7 +29,7 @@ current CUDA stream, so a later copy or forward sees them complete; host-side re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -43,19 +43,31 @@ DEVICE_STORE, HOST_STORE = "device", "host"
 BlockIds = Union[Sequence[int], torch.Tensor]
 
 
+# Why blocks move, which decides what a copy may do under load and what its failure costs:
+# a write-back may be dropped (the block is simply not cached on the host); a load or a swap-in
+# carries a ticket the scheduler waits on; a swap-out's failure makes its request recompute.
+WRITE_BACK, LOAD, SWAP_OUT, SWAP_IN = "write-back", "load", "swap-out", "swap-in"
+COPY_PURPOSES = (WRITE_BACK, LOAD, SWAP_OUT, SWAP_IN)
+
+
 @dataclass(frozen=True)
 class BlockCopy:
     """Blocks to copy between two named KV stores (the worker's: DEVICE_STORE is the paged cache
-    the model reads; a tier registers its own), run before a step's forward."""
+    the model reads; a tier registers its own), issued before a step's forward. A copy with a
+    ticket is reported back when it has landed (or failed): kvserve/worker/kv_transfer.py."""
     source: str
     destination: str
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
+    purpose: str = WRITE_BACK
+    ticket: Optional[int] = None
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
             raise ValueError(f"a block copy needs as many source blocks ({len(self.src_block_ids)}) "
                              f"as destination blocks ({len(self.dst_block_ids)})")
+        if self.purpose not in COPY_PURPOSES:
+            raise ValueError(f"unknown block copy purpose {self.purpose!r}; one of {COPY_PURPOSES}")
 
 
 def is_quantized(part: KVPart) -> bool:
@@ -201,8 +213,8 @@ class KVCacheStore:
     def copy_blocks(self, src_ids: BlockIds, dst_ids: BlockIds, dst: "KVCacheStore") -> None:
         """Blocks `src_ids` of this store into blocks `dst_ids` of `dst` (same layout, any device)."""
         self.check_same_layout(dst)
-        src_index = self._block_index(src_ids)
-        dst_index = dst._block_index(dst_ids)
+        src_index = self.block_index(src_ids)
+        dst_index = dst.block_index(dst_ids)
         if src_index.numel() != dst_index.numel():
             raise ValueError(f"copy_blocks got {src_index.numel()} source and {dst_index.numel()} destination blocks")
         if not src_index.numel():
@@ -212,39 +224,49 @@ class KVCacheStore:
                 theirs.index_copy_(0, dst_index, mine.index_select(0, src_index))
             return
         if dst.flat is not None:
-            data = self._gather_bytes(src_index)
-            for start, end, offset in _runs(dst_index.tolist()):
-                dst.flat[start:end].copy_(data[offset:offset + end - start], non_blocking=True)
+            dst.put_rows(dst_index.tolist(), self.gather_bytes(src_index))
             return
         if self.flat is not None:
             staged = torch.empty(src_index.numel(), self.block_nbytes, dtype=torch.uint8, device=dst.device)
-            for start, end, offset in _runs(src_index.tolist()):
-                staged[offset:offset + end - start].copy_(self.flat[start:end], non_blocking=True)
-            dst._scatter_bytes(dst_index, staged)
+            dst.scatter_bytes(dst_index, self.take_rows(src_index.tolist(), staged))
             return
-        dst._scatter_bytes(dst_index, self._gather_bytes(src_index).to(dst.device))
+        dst.scatter_bytes(dst_index, self.gather_bytes(src_index).to(dst.device))
+
+    # A flat (tier) store's rows, moved as runs of consecutive ids: one asynchronous copy per run
+    # when the other side is a GPU and the store is pinned.
+    def put_rows(self, ids: list[int], data: torch.Tensor) -> None:
+        """Rows of `data` (on any device) into the flat store's blocks `ids`."""
+        for start, end, offset in _runs(ids):
+            self.flat[start:end].copy_(data[offset:offset + end - start], non_blocking=True)
+
+    def take_rows(self, ids: list[int], out: torch.Tensor) -> torch.Tensor:
+        """The flat store's blocks `ids` into the first rows of `out` (on any device); returns them."""
+        for start, end, offset in _runs(ids):
+            out[offset:offset + end - start].copy_(self.flat[start:end], non_blocking=True)
+        return out[:len(ids)]
 
     def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
         """Blocks -> a host byte buffer [len(block_ids), block_nbytes] (uint8), one row per block."""
         self._wait_for_copies()
-        return self._gather_bytes(self._block_index(block_ids)).cpu()
+        return self.gather_bytes(self.block_index(block_ids)).cpu()
 
     def write_blocks(self, block_ids: BlockIds, data: torch.Tensor) -> None:
         """A byte buffer from `read_blocks` (of a store with the same layout) -> blocks `block_ids`."""
-        index = self._block_index(block_ids)
+        index = self.block_index(block_ids)
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape != (index.numel(), self.block_nbytes):
             raise ValueError(f"write_blocks wants uint8 [{index.numel()}, {self.block_nbytes}], "
                              f"got {data.dtype} {list(data.shape)}")
         if index.numel():
             self._wait_for_copies()
-            self._scatter_bytes(index, data.to(self.device))
+            self.scatter_bytes(index, data.to(self.device))
 
     def _wait_for_copies(self) -> None:
         """A flat store's asynchronous copies to and from a GPU must land before the host touches it."""
         if self.flat is not None and self.flat.is_pinned() and torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def _gather_bytes(self, index: torch.Tensor) -> torch.Tensor:
+    def gather_bytes(self, index: torch.Tensor) -> torch.Tensor:
+        """Blocks `index` (on this store's device) -> [n, block_nbytes] uint8 on this device."""
         if self.flat is not None:
             return self.flat.index_select(0, index)
         count = index.numel()
@@ -252,7 +274,8 @@ class KVCacheStore:
                   for tensor in self._block_tensors]
         return torch.cat(pieces, dim=1)
 
-    def _scatter_bytes(self, index: torch.Tensor, data: torch.Tensor) -> None:
+    def scatter_bytes(self, index: torch.Tensor, data: torch.Tensor) -> None:
+        """[n, block_nbytes] uint8 on this device -> blocks `index`."""
         if self.flat is not None:
             self.flat.index_copy_(0, index, data)
             return
@@ -261,7 +284,8 @@ class KVCacheStore:
             values = piece.contiguous().view(tensor.dtype).view(count, *tensor.shape[1:])
             tensor.index_copy_(0, index, values)
 
-    def _block_index(self, block_ids: BlockIds) -> torch.Tensor:
+    def block_index(self, block_ids: BlockIds) -> torch.Tensor:
+        """Block ids, checked against the store's size, as an index tensor on its device."""
         index = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
             raise IndexError(f"block id out of range [0, {self.num_blocks})")

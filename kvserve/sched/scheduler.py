@@ -13,6 +13,11 @@ with longer cached prefixes go first (they cost less to admit and their blocks m
 if they wait); a request overtaken `cache_aware_max_bypass` times goes strictly first, so nobody
 starves. Preempted requests always go first.
 
+KV from a tier (a host-tier hit, a swapped-out request resuming): admission allocates the request's
+blocks and the worker copies its KV in on a stream of its own; the request waits in `loading`,
+outside the running batch, until the worker reports the copy landed (`complete_transfers`), then
+runs its remaining tokens as a normal chunk. A failed copy sends it back to the queue to recompute.
+
 Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/sched/slo.py): a step's tokens are
 capped so that it ends in time, the number of running requests is limited so the step time stays
 under the TPOT target, and with shedding a request that cannot get its first token in time is
@@ -28,6 +33,7 @@ from typing import Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
+from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
@@ -47,12 +53,17 @@ class SchedulerStalled(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
+                 preemption_cost: Optional[PreemptionCost] = None) -> None:
+        if config.preemption_mode == "auto" and preemption_cost is None:
+            raise ValueError("preemption_mode auto needs the measured costs (PreemptionCost)")
         self.config = config
+        self.preemption_cost = preemption_cost
         self.kv_manager = kv_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}       # admitted, KV being copied in from a tier
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         # Admit new work only while this many blocks stay free, so a fresh admission does not
@@ -193,6 +204,28 @@ class Scheduler:
         out.block_copies = self.kv_manager.take_block_copies()
         return out
 
+    def complete_transfers(self, landed: list[int], failed: list[int]) -> None:
+        """The worker's report on ticketed copies: loading requests whose KV has arrived join the
+        running batch (their loaded blocks join the prefix cache); a request whose copy failed
+        goes back to the front of the queue to recompute."""
+        for ticket, ok in [(t, True) for t in landed] + [(t, False) for t in failed]:
+            recompute = self.kv_manager.complete_transfer(ticket, ok)
+            if recompute is not None:
+                request = self.requests.get(recompute)
+                if request is not None:
+                    self._requeue_for_recompute(request)
+        for request_id in [rid for rid in self.loading if not self.kv_manager.is_loading(rid)]:
+            request = self.loading.pop(request_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.kv_manager.cache_full_blocks(request_id, request.num_computed_tokens)
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        request.num_computed_tokens = 0
+        if self.loading.pop(request.request_id, None) is not None:
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+
     def _shed_late(self, out: SchedulerOutput) -> None:
         """Rejects waiting requests that, scheduled now, would miss their TTFT deadline. Requests
         that already ran (preempted ones) keep their place: their first token is out or due."""
@@ -243,7 +276,7 @@ class Scheduler:
         candidates = self._waiting_order()
         admitted: set[str] = set()
         for request in candidates:
-            if budget <= 0 or len(self.running) >= self._admission_limit:
+            if budget <= 0 or len(self.running) + len(self.loading) >= self._admission_limit:
                 break
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             hit = self._lookup(request)
@@ -273,9 +306,12 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+            if self.kv_manager.is_loading(request.request_id):
+                self.loading[request.request_id] = request      # runs once its KV has landed
+                continue
+            request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
@@ -292,10 +328,16 @@ class Scheduler:
             else:
                 request.num_bypassed += later_admitted
 
+    def _wants_swap(self, request: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            return self.preemption_cost.prefers_swap(request.num_computed_tokens)
+        return mode == "swap"
+
     def _preempt(self, request: Request) -> None:
-        """Swap (its KV to the host tier, kept computed) where configured and the tier has room, else
-        recompute (its KV freed, computed again on resume)."""
-        swapped = self.config.preemption_mode == "swap" and self.kv_manager.swap_out(request.request_id)
+        """Swap (its KV to the host tier, kept computed) where configured (or, with auto, cheaper)
+        and the tier has room, else recompute (its KV freed, computed again on resume)."""
+        swapped = self._wants_swap(request) and self.kv_manager.swap_out(request.request_id)
         if not swapped:
             self.kv_manager.free(request.request_id)
             request.num_computed_tokens = 0
@@ -348,6 +390,8 @@ class Scheduler:
             self.slo.observe_completion()
         if request in self.running:
             self.running.remove(request)
+        elif self.loading.pop(request.request_id, None) is not None:
+            pass
         else:
             try:
                 self.waiting.remove(request)
@@ -365,14 +409,15 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         latency = self.slo.make_stats(self.step_token_budget()) if self.slo is not None else None
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions_total, latency)
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions_total, latency,
+                              len(self.loading))
 
     @property
     def is_stalled(self) -> bool:
         """After a schedule() that scheduled nothing: whether the waiting requests can never run as
         things stand (nothing runs whose end would free blocks or slots)."""
-        return bool(self.waiting) and not self.running
+        return bool(self.waiting) and not self.running and not self.loading
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)

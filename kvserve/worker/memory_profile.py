@@ -41,3 +41,19 @@ def available_host_memory(meminfo: str = "/proc/meminfo") -> int | None:
     except OSError:
         return None
     return None
+
+
+# The default host KV tier on CUDA: a quarter of the free host RAM (the rest stays for the process,
+# the page cache and other tenants), at most twice the GPU cache (SGLang's HiCache default ratio)
+# and 32 GiB (pinning is slow: about a second per few GiB at start).
+DEFAULT_HOST_TIER_FRACTION = 0.25
+DEFAULT_HOST_TIER_DEVICE_RATIO = 2
+DEFAULT_HOST_TIER_MAX_BYTES = 32 << 30
+
+
+def default_host_tier_bytes(device: torch.device, available: int | None, device_kv_bytes: int) -> int:
+    """--kv-host-memory when not given: off on CPU (the KV cache already is host memory)."""
+    if device.type != "cuda" or available is None:
+        return 0
+    return int(min(available * DEFAULT_HOST_TIER_FRACTION, DEFAULT_HOST_TIER_DEVICE_RATIO * device_kv_bytes,
+                   DEFAULT_HOST_TIER_MAX_BYTES))

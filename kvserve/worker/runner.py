@@ -1,7 +1,8 @@
 """ModelRunner: turns a SchedulerOutput into one flat batch, runs the model, samples.
 
-Holds the device KV store (kvserve/kvstore/store.py: the paged cache every layer reads), runs the
-step's block copies before its forward, and builds the per-step metadata. Metadata is built with
+Holds the device KV store (kvserve/kvstore/store.py: the paged cache every layer reads), issues the
+step's block copies before its forward (kvserve/worker/kv_transfer.py), and builds the per-step
+metadata. Metadata is built with
 numpy on the host and moved to the device in one copy per tensor.
 """
 
@@ -20,6 +21,7 @@ from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_path import choose_forward
 from kvserve.worker.kv_sizing import spec_from_config
+from kvserve.worker.kv_transfer import KVTransfers
 from kvserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 
 
@@ -67,6 +69,7 @@ class ModelRunner:
         self.kv_store = KVCacheStore.allocate(kv_spec, num_blocks, block_size, device, self.num_kv_rows)
         # Stores block copies may name; a KV tier registers its own (register_store).
         self.kv_stores: dict[str, KVCacheStore] = {DEVICE_STORE: self.kv_store}
+        self.transfers = KVTransfers(self.kv_stores, device)
         self._kv_row_of: dict[str, tuple[int, Request]] = {}
         self._free_kv_rows = list(range(self.num_kv_rows - 1, -1, -1))
         self.forward_path = choose_forward(device, attention_backend, model, dtype, self.kv_store)
@@ -210,13 +213,8 @@ class ModelRunner:
         self.kv_stores[name] = store
 
     def run_block_copies(self, copies: list[BlockCopy]) -> None:
-        """Runs the step's block copies in order, before its forward reads the cache."""
-        for copy in copies:
-            stores = [self.kv_stores.get(name) for name in (copy.source, copy.destination)]
-            if None in stores:
-                raise KeyError(f"block copy names an unknown KV store: {copy.source!r} -> {copy.destination!r} "
-                               f"(known: {sorted(self.kv_stores)})")
-            stores[0].copy_blocks(copy.src_block_ids, copy.dst_block_ids, stores[1])
+        """Issues the step's block copies before its forward (kvserve/worker/kv_transfer.py)."""
+        self.transfers.run(copies)
 
     def _sampled_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
         if sample_rows[-1] - sample_rows[0] == len(sample_rows) - 1:

@@ -149,9 +149,11 @@ class _Seq:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_no_block_leaks_under_random_allocate_evict_load(seed):
-    """Random requests over a few shared prefixes through a small GPU pool and a smaller host tier:
-    every copy names blocks in range, a load reads a host block that holds the hash the request
-    asked for, and once every request is gone both pools account for every block."""
+    """Random requests over a few shared prefixes through a small GPU pool and a smaller host tier,
+    with ticketed copies landing 0-3 steps after they are issued (some failing) and requests freed
+    while their loads are in flight: every copy names blocks in range, a load reads a host block
+    that holds the hash the request asked for (copies run in issue order, as on the worker's one
+    transfer stream), and once every request is gone both pools account for every block."""
     import random
 
     from kvserve.kvcache.manager import KVCacheManager
@@ -167,11 +169,23 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
     live: dict[str, _Seq] = {}
     host_content: dict[int, bytes] = {}         # host block -> the hash last written into it
     swapped: dict[str, _Seq] = {}
+    inflight: list[tuple[int, int, bool]] = []  # (ticket, step it lands at, landed or failed)
+
+    def land(due: int) -> None:
+        for ticket, at, ok in [t for t in inflight if t[1] <= due]:
+            inflight.remove((ticket, at, ok))
+            recompute = manager.complete_transfer(ticket, ok)
+            if recompute is not None:               # its KV is gone: it would be queued to recompute
+                live.pop(recompute, None)
+                swapped.pop(recompute, None)
+                manager.free(recompute)
+
     for step in range(300):
+        land(step)
         expected: dict[int, bytes] = {}         # host block -> what a load this step must find there
         if live and rng.random() < 0.1:
             request_id = rng.choice(sorted(live))
-            if manager.swap_out(request_id):
+            if not manager.is_loading(request_id) and manager.swap_out(request_id):
                 swapped[request_id] = live.pop(request_id)
         elif swapped and rng.random() < 0.3:
             request_id = rng.choice(sorted(swapped))
@@ -196,6 +210,8 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
                 live[seq.request_id] = seq
         swapping_out = {host_id: request_id for request_id, (ids, _) in manager._swapped.items() for host_id in ids}
         for copy in manager.take_block_copies():
+            if copy.ticket is not None:
+                inflight.append((copy.ticket, step + rng.randint(0, 3), rng.random() > 0.05))
             for src, dst in zip(copy.src_block_ids, copy.dst_block_ids):
                 if copy.source == DEVICE_STORE:
                     assert copy.destination == HOST_STORE and 0 <= src < num_blocks and 0 <= dst < host_blocks
@@ -212,6 +228,10 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
     for request_id in list(live) + list(swapped):
         manager.free(request_id)
     manager.take_block_copies()
+    # Freed while loading: their tables are held until the copy lands.
+    loading = any(manager._transfers[ticket].purpose != "swap-out" for ticket, _, _ in inflight)
+    assert (manager.num_free_blocks < num_blocks) == loading
+    land(10 ** 9)
     assert manager.num_free_blocks == num_blocks
     assert tier.num_used_blocks + len(tier._free) == host_blocks
     stats = tier.make_stats()
@@ -241,9 +261,30 @@ def test_swap_preemption_gives_the_tokens_of_running_alone(folder, name):
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
 
 
+def test_auto_preemption_swaps_when_the_copy_is_cheaper(folder):
+    """--preemption-mode auto on CPU: copying a request's KV to host memory and back is measured far
+    cheaper than recomputing it, so preempted requests swap; tokens equal their runs alone."""
+    prompts = [[5 + (3 * i + 11 * j) % 240 for i in range(14 + 3 * j)] for j in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20)
+    alone = [probe.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    block_bytes = probe.engine.kv_bytes_per_token * BLOCK
+    llm = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 24,
+              kv_host_memory=block_bytes * 96, preemption_mode="auto", async_scheduling="off")
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    cost = llm.engine.preemption_cost
+    assert cost.transfer_bytes_per_s > 0 and cost.num_swap_choices > 0
+    assert llm.engine.make_stats().kv_cache.host.swapped_out == cost.num_swap_choices
+    assert batched == alone
+
+
 def test_swap_preemption_needs_the_host_tier(folder):
     with pytest.raises(ValueError, match="kv_host_memory"):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode auto needs the host KV tier"):
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="auto")
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="sideways")
 

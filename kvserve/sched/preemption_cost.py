@@ -1,0 +1,62 @@
+"""--preemption-mode auto: swap a preempted request's KV to the host tier, or free it and recompute,
+whichever costs less time.
+
+Swapping moves the request's KV bytes out and back over the host link; recomputing runs its tokens
+through prefill again. Both rates are measured, not assumed: the link's rate from the tier's own
+copies (a probe at start, then every load that lands), the prefill rate from the engine's steps
+that computed many tokens. The swap is charged in full although its copies overlap other requests'
+steps, and the recompute is charged at the prefill rate of a full batch: both err towards
+recompute, which needs no host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Steps computing at least this many tokens are prefill-bound enough to time prefill by.
+MIN_PREFILL_TOKENS = 128
+# Weight of a new observation in the moving averages.
+SMOOTHING = 0.2
+
+
+@dataclass
+class PreemptionCost:
+    kv_bytes_per_token: int
+    transfer_bytes_per_s: Optional[float] = None      # host <-> device
+    prefill_tokens_per_s: Optional[float] = None
+    num_swap_choices: int = 0
+    num_recompute_choices: int = 0
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.transfer_bytes_per_s = _smooth(self.transfer_bytes_per_s, nbytes / seconds)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            self.prefill_tokens_per_s = _smooth(self.prefill_tokens_per_s, num_tokens / seconds)
+
+    def swap_seconds(self, num_tokens: int) -> Optional[float]:
+        if not self.transfer_bytes_per_s:
+            return None
+        return 2 * num_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> Optional[float]:
+        if not self.prefill_tokens_per_s:
+            return None
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefers_swap(self, num_tokens: int) -> bool:
+        """Swap when it is measured cheaper. Before prefill has been timed, swap if the link has
+        been measured (a request is preempted only after prompts have run, so this is brief)."""
+        swap, recompute = self.swap_seconds(num_tokens), self.recompute_seconds(num_tokens)
+        choice = swap is not None and (recompute is None or swap < recompute)
+        if choice:
+            self.num_swap_choices += 1
+        else:
+            self.num_recompute_choices += 1
+        return choice
+
+
+def _smooth(current: Optional[float], value: float) -> float:
+    return value if current is None else (1 - SMOOTHING) * current + SMOOTHING * value

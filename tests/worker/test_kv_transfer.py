@@ -1,0 +1,165 @@
+"""Tier copies off the step's critical path (kvserve/worker/kv_transfer.py): a request whose KV comes
+from the host waits outside the batch until its copy is reported landed, a failed copy makes it
+recompute (same tokens), and a request aborted while loading gives its blocks back only after the
+copy has landed. On CPU copies run at once and are reported at the next poll: the same path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TEST_DEVICE, build_tiny_checkpoint
+from kvserve import LLM, SamplingParams
+from kvserve.kvstore import DEVICE_STORE, HOST_STORE, LOAD, WRITE_BACK, BlockCopy, KVCacheStore
+from kvserve.worker.kv_transfer import KVTransfers
+
+BLOCK = 4
+PROMPT = [3 + (7 * i) % 200 for i in range(41)]          # 10 full blocks + 1 token
+FILLERS = [[11 + (13 * i + 5 * j) % 230 for i in range(41)] for j in range(4)]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kv-transfer-llama")
+    build_tiny_checkpoint("llama", path)
+    return str(path)
+
+
+def _llm(folder: str, **options) -> LLM:
+    probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20)
+    block_bytes = probe.engine.kv_bytes_per_token * BLOCK
+    return LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 16,
+               kv_host_memory=block_bytes * 64, async_scheduling="off", **options)
+
+
+def _tokens(llm: LLM, prompt: list[int]) -> list[int]:
+    return llm.generate([{"prompt_token_ids": prompt}], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _evict_to_host(llm: LLM) -> list[int]:
+    cold = _tokens(llm, PROMPT)
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    assert llm.engine.make_stats().kv_cache.host.used_blocks >= 10
+    return cold
+
+
+def test_a_host_hit_waits_outside_the_batch_until_its_copy_lands(folder):
+    llm = _llm(folder)
+    cold = _evict_to_host(llm)
+    engine = llm.engine
+    request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
+    request = engine._groups[request_id].children[0]
+    engine.step()                       # admitted: blocks allocated, load issued, not computed
+    assert request.request_id in engine.scheduler.loading and request not in engine.scheduler.running
+    assert request.num_computed_tokens == 10 * BLOCK and not request.output_token_ids
+    assert engine.make_stats().scheduler.num_loading == 1
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            final = output.outputs[0].token_ids
+    assert list(final) == cold
+    stats = engine.make_stats().kv_cache
+    assert stats.host.hit_tokens == 10 * BLOCK
+    assert stats.transfers.loads >= 1 and stats.transfers.bytes_to_device >= 10 * engine.host_store.block_nbytes
+    assert sum(count for _, count in stats.transfers.load_buckets) == stats.transfers.loads
+
+
+def test_a_failed_load_recomputes_with_the_same_tokens(folder, monkeypatch):
+    llm = _llm(folder)
+    cold = _evict_to_host(llm)
+    store = llm.engine.host_store
+    real = KVCacheStore.copy_blocks
+    failures = []
+
+    def flaky(self, src_ids, dst_ids, dst):
+        if self is store and dst is not store and not failures:
+            failures.append(len(src_ids))
+            raise RuntimeError("injected: a host-to-device copy failed")
+        return real(self, src_ids, dst_ids, dst)
+
+    monkeypatch.setattr(KVCacheStore, "copy_blocks", flaky)
+    assert _tokens(llm, PROMPT) == cold
+    stats = llm.engine.make_stats().kv_cache
+    assert failures == [10] and stats.transfers.copy_failures == 1 and stats.host.load_failures == 1
+    # The doubtful host blocks left the index; the recompute wrote the prefix back into the GPU cache.
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+    assert _tokens(llm, PROMPT) == cold
+
+
+def test_abort_while_loading_frees_the_blocks_once_the_copy_lands(folder):
+    llm = _llm(folder)
+    _evict_to_host(llm)
+    engine = llm.engine
+    manager = engine.kv_manager
+    request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
+    engine.step()
+    child = engine._groups[request_id].children[0]
+    assert manager.is_loading(child.request_id)
+    held = len(manager.block_table(child.request_id))
+    free_before = manager.pool.num_free_blocks
+    engine.abort(request_id)
+    # Not back in the pool yet: the worker has not reported the copy into them.
+    assert manager.pool.num_free_blocks == free_before
+    assert held >= 10
+    engine.step()
+    assert manager.num_free_blocks == manager.num_blocks and not engine.scheduler.loading
+
+
+def _stores(num_blocks: int = 8):
+    from kvserve.kvstore import build_kv_cache_spec
+    spec = build_kv_cache_spec(num_layers=2, num_kv_heads=2, head_dim=8, model_dtype=torch.float32)
+    device = KVCacheStore.allocate(spec, num_blocks, BLOCK, "cpu")
+    host = KVCacheStore.allocate_flat(spec, num_blocks, BLOCK)
+    generator = torch.Generator().manual_seed(0)
+    device.write_blocks(list(range(num_blocks)), torch.randint(0, 256, (num_blocks, device.block_nbytes),
+                                                              dtype=torch.uint8, generator=generator))
+    return device, host
+
+
+def test_transfers_report_tickets_and_lost_write_backs():
+    device, host = _stores()
+    transfers = KVTransfers({DEVICE_STORE: device, HOST_STORE: host}, torch.device("cpu"))
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, (1, 2), (5, 6)),
+                   BlockCopy(HOST_STORE, DEVICE_STORE, (5, 6), (3, 4), LOAD, ticket=7),
+                   BlockCopy(DEVICE_STORE, "disk", (0,), (0,)),
+                   BlockCopy("disk", DEVICE_STORE, (2,), (0,), LOAD, ticket=8)])
+    report = transfers.poll()
+    assert report.landed == [7] and report.failed == [8] and report.lost_host_blocks == [0]
+    assert torch.equal(device.read_blocks([3, 4]), device.read_blocks([1, 2]))
+    assert not transfers.poll()
+    stats = transfers.make_stats()
+    assert stats.copy_failures == 2 and stats.loads == 1 and stats.bytes_to_host == 2 * device.block_nbytes
+
+
+def test_a_load_from_a_write_back_that_was_dropped_fails_too():
+    device, host = _stores()
+    transfers = KVTransfers({DEVICE_STORE: device, HOST_STORE: host}, torch.device("cpu"), max_write_back_bytes=0)
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, (1,), (5,), WRITE_BACK),
+                   BlockCopy(HOST_STORE, DEVICE_STORE, (5,), (3,), LOAD, ticket=1),
+                   BlockCopy(HOST_STORE, DEVICE_STORE, (6,), (4,), LOAD, ticket=2)])
+    report = transfers.poll()
+    assert report.lost_host_blocks == [5] and report.failed == [1] and report.landed == [2]
+    assert transfers.make_stats().write_backs_dropped == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the transfer stream")
+def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source():
+    from kvserve.kvstore import build_kv_cache_spec
+    spec = build_kv_cache_spec(num_layers=4, num_kv_heads=4, head_dim=64, model_dtype=torch.bfloat16)
+    gpu = KVCacheStore.allocate(spec, 64, 16, "cuda")
+    host = KVCacheStore.allocate_flat(spec, 64, 16, pin_memory=True)
+    data = torch.randint(0, 256, (64, gpu.block_nbytes), dtype=torch.uint8)
+    gpu.write_blocks(list(range(64)), data)
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"))
+    out_ids, host_ids = list(range(0, 40)), [63 - i for i in range(40)]
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(out_ids), tuple(host_ids))])
+    # The forward after the copies may overwrite the blocks at once: the gather already read them.
+    gpu.write_blocks(out_ids, torch.zeros(40, gpu.block_nbytes, dtype=torch.uint8))
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, tuple(host_ids), tuple(range(20, 60)), LOAD, ticket=3)])
+    report = transfers.poll(wait=True)
+    while 3 not in report.landed:
+        report = transfers.poll(wait=True)
+    assert torch.equal(gpu.read_blocks(list(range(20, 60))), data[:40])
+    assert transfers.make_stats().load_seconds > 0
