@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
-from kvserve.stats import EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats, StepCoefficients
+from kvserve.stats import EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats, StepCoefficients, TransferStats
 
 logger = logging.getLogger("kvserve.async_engine")
 
@@ -72,6 +72,7 @@ class EngineSnapshot:
     prefix_cache: Optional[PrefixCacheStats] = None
     expert_load: Optional[ExpertLoadStats] = None
     kv_host: Optional[HostTierStats] = None          # the host KV tier (None: off)
+    kv_transfers: Optional[TransferStats] = None     # its copies (None: no host tier)
 
     @property
     def num_used_blocks(self) -> int:
@@ -95,7 +96,8 @@ class EngineSnapshot:
                    prompt_tokens_total=stats.prompt_tokens_total, generation_tokens_total=stats.generation_tokens_total,
                    num_preemptions_total=sched.num_preemptions_total, num_steps_total=num_steps,
                    num_step_errors_total=num_step_errors, requests_finished_total=dict(stats.requests_finished_total),
-                   prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host, **latency)
+                   prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
+                   kv_transfers=kv.transfers, **latency)
 
 
 @dataclass

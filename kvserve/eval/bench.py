@@ -79,9 +79,10 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
         # not always alike, so each thread's rate too.
         extra["cpu_fma_gflops_before_runs"] = [round(sum(c), 1) if c else None for c in calibration]
         extra["cpu_fma_gflops_by_thread_before_runs"] = calibration
-    host = engine.make_stats().kv_cache.host
-    if host is not None:      # the host KV tier (--kv-host-memory): its totals since the engine started
-        extra["kv_host"] = asdict(host)
+    kv_stats = engine.make_stats().kv_cache
+    if kv_stats.host is not None:      # the host KV tier (--kv-host-memory): its totals since the engine started
+        extra["kv_host"] = asdict(kv_stats.host)
+        extra["kv_transfers"] = asdict(kv_stats.transfers)
     expert_load = engine.expert_load()
     if expert_load is not None:
         extra["expert_load"] = expert_load.as_dict()

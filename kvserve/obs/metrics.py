@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.async_engine import EngineSnapshot, FinishedRequest
@@ -89,6 +89,9 @@ HOST_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_host_blocks_evicted_total",
     f"{NAMESPACE}:kv_host_writes_dropped_total",
     f"{NAMESPACE}:kv_host_swaps_total",
+    f"{NAMESPACE}:kv_host_bytes_moved_total",
+    f"{NAMESPACE}:kv_host_load_seconds",
+    f"{NAMESPACE}:kv_host_copy_failures_total",
 )
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
@@ -136,8 +139,29 @@ class _EngineStateCollector:
             moved.add_metric(values + ["to_device"], host.blocks_loaded)
             yield moved
             yield counter("kv_host_blocks_evicted", "Host KV blocks reused for newer blocks.", host.blocks_evicted)
+            transfers = snap.kv_transfers
             yield counter("kv_host_writes_dropped", "Write-backs to the host tier skipped (every host block was being "
-                          "read that step).", host.writes_dropped)
+                          "read that step, or too many write-back bytes were in flight).",
+                          host.writes_dropped + (transfers.write_backs_dropped if transfers is not None else 0))
+            if transfers is not None:
+                moved_bytes = CounterMetricFamily(f"{NAMESPACE}:kv_host_bytes_moved", "Bytes copied between the GPU "
+                                                  "and the host tier, by direction.", labels=labels + ["direction"])
+                moved_bytes.add_metric(values + ["to_host"], transfers.bytes_to_host)
+                moved_bytes.add_metric(values + ["to_device"], transfers.bytes_to_device)
+                yield moved_bytes
+                loads = HistogramMetricFamily(f"{NAMESPACE}:kv_host_load_seconds", "Time of each load or swap-in from "
+                                              "the host tier (on a GPU, between CUDA events of the copy).",
+                                              labels=labels)
+                cumulative, buckets = 0, []
+                for bound, count in transfers.load_buckets:
+                    cumulative += count
+                    buckets.append((repr(bound), cumulative))
+                buckets.append(("+Inf", transfers.loads))
+                loads.add_metric(values, buckets, transfers.load_seconds)
+                yield loads
+                yield counter("kv_host_copy_failures", "Copies to or from the host tier that failed (a load recomputes, "
+                              "a write-back is forgotten); loads among them recomputed.",
+                              transfers.copy_failures)
             swaps = CounterMetricFamily(f"{NAMESPACE}:kv_host_swaps", "Swap preemption: requests whose KV went to "
                                         "the host tier (out), came back (in), or recomputed for lack of room (failed).",
                                         labels=labels + ["event"])

@@ -13,7 +13,7 @@ from conftest import TEST_DEVICE, build_tiny_checkpoint
 from kvserve.engine.async_engine import EngineSnapshot
 from kvserve.obs.metrics import HOST_TIER_METRIC_NAMES, METRIC_NAMES, MOE_METRIC_NAMES, ServerMetrics
 from kvserve.stats import (AdaptivePolicyStats, EngineStats, ExpertLoadStats, HostTierStats, KVCacheStats,
-                           LatencyTargetStats, PrefixCacheStats, SchedulerStats)
+                           LatencyTargetStats, PrefixCacheStats, SchedulerStats, TransferStats)
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -135,7 +135,10 @@ def test_the_expert_load_is_read_at_most_once_a_second_while_requests_run():
 def test_host_tier_metrics_come_from_the_kv_cache_stats():
     host = HostTierStats(num_blocks=64, used_blocks=10, hit_tokens=40, blocks_written=12, blocks_loaded=10,
                          blocks_evicted=2, writes_dropped=1, swapped_out=3, swapped_in=2, swap_failures=1)
-    stats = EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600, host), 50, 20, {"stop": 4})
+    transfers = TransferStats(bytes_to_device=4096, bytes_to_host=8192, loads=3, load_seconds=0.03,
+                              load_buckets=((0.001, 1), (0.01, 1), (0.1, 0)), write_backs_dropped=2, copy_failures=1)
+    stats = EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600, host, transfers), 50, 20,
+                        {"stop": 4})
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
     samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
     assert samples['kvserve:kv_host_blocks_total{model_name="m"}'] == 64
@@ -144,7 +147,15 @@ def test_host_tier_metrics_come_from_the_kv_cache_stats():
     assert samples['kvserve:kv_host_blocks_moved_total{direction="to_host",model_name="m"}'] == 12
     assert samples['kvserve:kv_host_blocks_moved_total{direction="to_device",model_name="m"}'] == 10
     assert samples['kvserve:kv_host_blocks_evicted_total{model_name="m"}'] == 2
-    assert samples['kvserve:kv_host_writes_dropped_total{model_name="m"}'] == 1
+    assert samples['kvserve:kv_host_writes_dropped_total{model_name="m"}'] == 1 + 2
+    assert samples['kvserve:kv_host_bytes_moved_total{direction="to_device",model_name="m"}'] == 4096
+    assert samples['kvserve:kv_host_bytes_moved_total{direction="to_host",model_name="m"}'] == 8192
+    assert samples['kvserve:kv_host_load_seconds_bucket{le="0.001",model_name="m"}'] == 1
+    assert samples['kvserve:kv_host_load_seconds_bucket{le="0.1",model_name="m"}'] == 2
+    assert samples['kvserve:kv_host_load_seconds_bucket{le="+Inf",model_name="m"}'] == 3
+    assert samples['kvserve:kv_host_load_seconds_count{model_name="m"}'] == 3
+    assert samples['kvserve:kv_host_load_seconds_sum{model_name="m"}'] == 0.03
+    assert samples['kvserve:kv_host_copy_failures_total{model_name="m"}'] == 1
     assert samples['kvserve:kv_host_swaps_total{event="out",model_name="m"}'] == 3
     assert samples['kvserve:kv_host_swaps_total{event="failed",model_name="m"}'] == 1
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
