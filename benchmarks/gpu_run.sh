@@ -2,7 +2,7 @@
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
-#   [bench8b] [offline] [profile] [serve] [kvquant]
+#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -79,4 +79,21 @@ if [[ $what == *" bench8b "* ]]; then
   timeout 300 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-llama-8b --load-format dummy \
     --dtype bfloat16 --batch-sizes 1,8,32,128,256 --input-len 512 --output-len 256 --kv-cache-memory 40GiB \
     --json "$OUT/h200_bench_llama8b.json" 2>&1 | tail -12 | tee "$OUT/gpu_bench8b.log"
+fi
+if [[ $what == *" hosttier "* ]]; then   # the host KV tier: its tests on CUDA, copies, loads, overload
+  timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/worker/test_kv_transfer.py tests/kvcache/test_host_tier.py \
+    tests/kvstore ${PYTEST_EXTRA:-} > "$OUT/gpu_tests_host_tier.log" 2>&1
+  tail -3 "$OUT/gpu_tests_host_tier.log"
+  for dtype in auto int8 int4; do
+    timeout 120 python3 benchmarks/kv/host_tier_bench.py --tokens 32768 --kv-cache-dtype $dtype \
+      --json "$OUT/h200_host_tier_copies_$dtype.json" 2>&1 | tail -4
+  done
+  timeout 400 python3 benchmarks/kv/host_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --kv-cache-memory ${HOST_LOAD_KV:-3GiB} --kv-host-memory 24GiB \
+    --json "$OUT/h200_host_load_qwen7b.json" 2>&1 | tail -8 | tee "$OUT/gpu_host_load.log"
+fi
+if [[ $what == *" overload "* ]]; then   # swap / auto / recompute preemption under overload
+  timeout 500 python3 benchmarks/engine/preemption_bench.py --modes recompute,swap,auto --requests 64 --prompt-tokens 2048 \
+    --max-tokens 256 --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 \
+    --kv-cache-memory 2GiB --kv-host-memory 16GiB --json "$OUT/h200_preemption_overload.json" 2>&1 | tail -5
 fi

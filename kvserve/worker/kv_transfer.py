@@ -6,9 +6,10 @@ in while other requests keep stepping on the main stream:
   overwrite (an evicted block has a new owner at once). Their blocks are gathered on the main
   stream into a staging slot (a device-speed copy, well under a millisecond), and the transfer
   stream then moves the slot to pinned host memory while the forward runs.
-- Copies into the device store (loads, swap-ins) go host -> staging slot -> scatter into the
-  blocks, all on the transfer stream, after everything already queued on the main stream (so a
-  block freed by a request of the step in flight is not written while that step still uses it).
+- Copies into the device store (loads, swap-ins) go host -> staging slot on the transfer stream,
+  then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile), after
+  everything already queued on the main stream (so a block freed by a request of the step in
+  flight is not written while that step still uses it).
   The blocks belong to a request the scheduler holds back until its ticket is reported landed
   (`poll`, an event query: no host synchronisation in the step).
 - One transfer stream keeps every tier copy in issue order, so a host block that a load reads is
@@ -68,11 +69,15 @@ class _Pending:
 
 class KVTransfers:
     def __init__(self, stores: dict[str, KVCacheStore], device: torch.device,
-                 max_write_back_bytes: int = DEFAULT_MAX_WRITE_BACK_BYTES) -> None:
+                 max_write_back_bytes: int = DEFAULT_MAX_WRITE_BACK_BYTES,
+                 staging_bytes: int = DEVICE_STAGING_BYTES) -> None:
         self.stores = stores                # shared with the runner: tiers register into it
         self.device = device
         self.max_write_back_bytes = max_write_back_bytes
+        self.staging_bytes = staging_bytes
+        # The link's copies (both ways, in issue order) and the scatters of loaded slots into blocks.
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.scatter_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._rings: dict[str, StagingRing] = {}
         self._pending: list[_Pending] = []
         self._report = TransferReport()
@@ -103,9 +108,12 @@ class KVTransfers:
                 self._issue_logged(copy)
 
     def _issue_logged(self, copy: BlockCopy) -> None:
+        """Issues a copy; a copy that fails at run time (a CUDA or allocation error) is logged,
+        counted and reported lost. A copy naming an unknown store is a bug and raises."""
+        self._store(copy.source), self._store(copy.destination)
         try:
             self._issue(copy)
-        except (RuntimeError, ValueError, IndexError, KeyError):
+        except RuntimeError:
             logger.exception("KV block copy %s -> %s (%s, %d blocks) failed", copy.source, copy.destination,
                              copy.purpose, len(copy.src_block_ids))
             self.copy_failures += 1
@@ -124,28 +132,26 @@ class KVTransfers:
             self.write_backs_dropped += 1
             self._lose(copy)
             return
-        if copy.destination == DEVICE_STORE:
-            self.bytes_to_device += nbytes
-        else:
-            self.bytes_to_host += nbytes
-        if self.stream is None or source.device.type != "cuda" and destination.device.type != "cuda":
+        if self.stream is None or (source.device.type != "cuda" and destination.device.type != "cuda"):
             started = time.perf_counter()
             source.copy_blocks(copy.src_block_ids, copy.dst_block_ids, destination)
-            self._pending.append(_Pending(copy.ticket, copy.purpose, nbytes, None,
-                                          seconds=time.perf_counter() - started))
-            return
-        if destination.flat is not None and source.flat is None:
+            pending = _Pending(copy.ticket, copy.purpose, nbytes, None, seconds=time.perf_counter() - started)
+        elif destination.flat is not None and source.flat is None:
             pending = self._copy_out(copy, source, destination, nbytes)
         elif source.flat is not None and destination.flat is None:
             pending = self._copy_in(copy, source, destination, nbytes)
         else:
             raise ValueError(f"no asynchronous path for a copy {copy.source} -> {copy.destination}")
         self._pending.append(pending)
+        if copy.destination == DEVICE_STORE:
+            self.bytes_to_device += nbytes
+        else:
+            self.bytes_to_host += nbytes
 
     def _ring(self, direction: str, store: KVCacheStore) -> StagingRing:
         ring = self._rings.get(direction)
         if ring is None:
-            ring = self._rings[direction] = StagingRing(store.block_nbytes, self.device, DEVICE_STAGING_BYTES)
+            ring = self._rings[direction] = StagingRing(store.block_nbytes, self.device, self.staging_bytes)
         return ring
 
     def _copy_out(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore, nbytes: int) -> _Pending:
@@ -169,20 +175,29 @@ class KVTransfers:
         return _Pending(copy.ticket, copy.purpose, nbytes, done, started)
 
     def _copy_in(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore, nbytes: int) -> _Pending:
-        main, side = torch.cuda.current_stream(self.device), self.stream
+        # Two streams, so the link moves slot k + 1 while slot k is scattered into its blocks.
+        main, copier, scatterer = torch.cuda.current_stream(self.device), self.stream, self.scatter_stream
         ring = self._ring("in", destination)
         src_ids = list(copy.src_block_ids)
-        dst_index = destination.block_index(copy.dst_block_ids)
-        side.wait_stream(main)
+        copier.wait_stream(main)
         started = torch.cuda.Event(enable_timing=True)
-        started.record(side)
-        with torch.cuda.stream(side):
-            for start, end in ring.chunks(len(src_ids)):
-                slot_index, slot = ring.acquire(side)
-                destination.scatter_bytes(dst_index[start:end], source.take_rows(src_ids[start:end], slot))
-                ring.release(slot_index, side)
+        started.record(copier)
+        with torch.cuda.stream(scatterer):
+            # Allocated on the stream that reads it: freed by Python at return, its memory must not
+            # be handed to the main stream while the scatters are still queued.
+            dst_index = destination.block_index(copy.dst_block_ids)
+        for start, end in ring.chunks(len(src_ids)):
+            slot_index, slot = ring.acquire(copier)
+            with torch.cuda.stream(copier):
+                rows = source.take_rows(src_ids[start:end], slot)
+            copied = torch.cuda.Event()
+            copied.record(copier)
+            scatterer.wait_event(copied)
+            with torch.cuda.stream(scatterer):
+                destination.scatter_bytes(dst_index[start:end], rows)
+            ring.release(slot_index, scatterer)
         done = torch.cuda.Event(enable_timing=True)
-        done.record(side)
+        done.record(scatterer)
         return _Pending(copy.ticket, copy.purpose, nbytes, done, started)
 
     def _store(self, name: str) -> KVCacheStore:

@@ -282,9 +282,11 @@ def test_auto_preemption_swaps_when_the_copy_is_cheaper(folder):
 
 def test_swap_preemption_needs_the_host_tier(folder):
     with pytest.raises(ValueError, match="kv_host_memory"):
-        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="swap")
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=0,
+            preemption_mode="swap")
     with pytest.raises(ValueError, match="preemption_mode auto needs the host KV tier"):
-        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="auto")
+        LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, kv_host_memory=0,
+            preemption_mode="auto")
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20, preemption_mode="sideways")
 

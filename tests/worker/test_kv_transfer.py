@@ -70,16 +70,16 @@ def test_a_failed_load_recomputes_with_the_same_tokens(folder, monkeypatch):
     llm = _llm(folder)
     cold = _evict_to_host(llm)
     store = llm.engine.host_store
-    real = KVCacheStore.copy_blocks
+    real = KVCacheStore.take_rows
     failures = []
 
-    def flaky(self, src_ids, dst_ids, dst):
-        if self is store and dst is not store and not failures:
-            failures.append(len(src_ids))
+    def flaky(self, ids, out):
+        if self is store and not failures:
+            failures.append(len(ids))
             raise RuntimeError("injected: a host-to-device copy failed")
-        return real(self, src_ids, dst_ids, dst)
+        return real(self, ids, out)
 
-    monkeypatch.setattr(KVCacheStore, "copy_blocks", flaky)
+    monkeypatch.setattr(KVCacheStore, "take_rows", flaky)
     assert _tokens(llm, PROMPT) == cold
     stats = llm.engine.make_stats().kv_cache
     assert failures == [10] and stats.transfers.copy_failures == 1 and stats.host.load_failures == 1
@@ -118,9 +118,20 @@ def _stores(num_blocks: int = 8):
     return device, host
 
 
+class _BrokenStore(KVCacheStore):
+    """A tier whose every copy fails as a copy does at run time (a CUDA error, an I/O error)."""
+
+    def copy_blocks(self, src_ids, dst_ids, dst) -> None:
+        raise RuntimeError("injected: the tier's copy failed")
+
+    def put_rows(self, ids, data) -> None:
+        raise RuntimeError("injected: the tier's copy failed")
+
+
 def test_transfers_report_tickets_and_lost_write_backs():
     device, host = _stores()
-    transfers = KVTransfers({DEVICE_STORE: device, HOST_STORE: host}, torch.device("cpu"))
+    broken = _BrokenStore.allocate_flat(device.spec, 4, BLOCK)
+    transfers = KVTransfers({DEVICE_STORE: device, HOST_STORE: host, "disk": broken}, torch.device("cpu"))
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, (1, 2), (5, 6)),
                    BlockCopy(HOST_STORE, DEVICE_STORE, (5, 6), (3, 4), LOAD, ticket=7),
                    BlockCopy(DEVICE_STORE, "disk", (0,), (0,)),
@@ -129,6 +140,8 @@ def test_transfers_report_tickets_and_lost_write_backs():
     assert report.landed == [7] and report.failed == [8] and report.lost_host_blocks == [0]
     assert torch.equal(device.read_blocks([3, 4]), device.read_blocks([1, 2]))
     assert not transfers.poll()
+    with pytest.raises(KeyError, match="unknown KV store"):       # a bug, not a fault: raised
+        transfers.run([BlockCopy(DEVICE_STORE, "nowhere", (0,), (0,))])
     stats = transfers.make_stats()
     assert stats.copy_failures == 2 and stats.loads == 1 and stats.bytes_to_host == 2 * device.block_nbytes
 
@@ -152,7 +165,9 @@ def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source():
     host = KVCacheStore.allocate_flat(spec, 64, 16, pin_memory=True)
     data = torch.randint(0, 256, (64, gpu.block_nbytes), dtype=torch.uint8)
     gpu.write_blocks(list(range(64)), data)
-    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"))
+    # Staging for 3 blocks a slot: the copies go through the ring in many chunks.
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"),
+                            staging_bytes=6 * gpu.block_nbytes)
     out_ids, host_ids = list(range(0, 40)), [63 - i for i in range(40)]
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(out_ids), tuple(host_ids))])
     # The forward after the copies may overwrite the blocks at once: the gather already read them.
