@@ -179,6 +179,11 @@ class CacheConfig:
                                                "0 = off (needs prefix caching; default: off on CPU, on CUDA a quarter "
                                                "of the free host RAM, at most twice the GPU KV cache and 32 GiB)",
                                          bytes=True, **bounds(ge=0, unit="bytes"))
+    kv_host_memory_pressure: float = _opt(10.0, "percent of time some task waited for memory (Linux PSI some "
+                                                "avg10, the larger of the machine's and the cgroup's) at which the "
+                                                "host KV tier gives back an eighth of its memory, until the pressure "
+                                                "clears; it grows back after a calm spell; 0 = never",
+                                          **bounds(ge=0.0, le=100.0))
     kv_host_write_policy: str = _opt("write-back", "when a GPU block is copied to the host tier: write-back (when the "
                                                    "GPU cache evicts it), write-through (once it is full; its "
                                                    "eviction then copies nothing) or selective (when evicted, if at "

@@ -26,7 +26,7 @@ class StepCoefficients:
 @dataclass(frozen=True)
 class HostTierStats:
     """The host KV tier (--kv-host-memory; kvcache/host_tier.py). Counts are totals since start."""
-    num_blocks: int
+    num_blocks: int              # live blocks (memory pressure may have released some)
     used_blocks: int             # host blocks holding a cached block
     hit_tokens: int              # prompt tokens served from the host (loaded, not recomputed)
     blocks_written: int          # GPU blocks copied to the host when the GPU cache evicted them
@@ -37,6 +37,8 @@ class HostTierStats:
     swapped_in: int = 0          # of those, resumed from the host
     swap_failures: int = 0       # preemptions that recomputed: the host tier had no room for the blocks
     load_failures: int = 0       # loads or swaps whose copy failed: the request recomputed
+    max_blocks: int = 0          # the configured size; num_blocks is less while memory pressure holds it down
+    blocks_released: int = 0     # cached blocks dropped because memory pressure gave their memory back
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.stats import EngineStats, ExpertLoadStats
 from kvserve.kvcache.host_tier import HostTier
+from kvserve.kvcache.memory_pressure import HostTierSizer, PressureMonitor
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvstore import HOST_STORE, KVCacheStore
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
@@ -35,7 +36,8 @@ from kvserve.model.builder import build_model, kernel_switches, resolve_device, 
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
 from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cache, spec_from_config
-from kvserve.worker.memory_profile import available_host_memory, cuda_kv_budget, default_host_tier_bytes
+from kvserve.worker.memory_profile import (HOST_TIER_SEGMENTS, available_host_memory, cuda_kv_budget,
+                                           default_host_tier_bytes)
 from kvserve.worker.runner import InflightStep, ModelRunner, StepResult
 
 logger = logging.getLogger("kvserve")
@@ -124,6 +126,13 @@ class Engine:
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)
         self.preemption_cost: Optional[PreemptionCost] = None
+        self.host_pressure: Optional[PressureMonitor] = None
+        self.host_sizer: Optional[HostTierSizer] = None
+        if self.host_store is not None and cache_cfg.kv_host_memory_pressure > 0:
+            self.host_pressure = PressureMonitor()
+            self.host_sizer = HostTierSizer(self.host_store.num_blocks, self.host_store.block_nbytes,
+                                            threshold=cache_cfg.kv_host_memory_pressure,
+                                            chunk_fraction=1 / HOST_TIER_SEGMENTS)
         if self.host_store is not None:
             self.runner.register_store(HOST_STORE, self.host_store)
             link = self.runner.transfers.measure_link(HOST_STORE)
@@ -201,8 +210,10 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"kv_host_memory of {requested} bytes holds no KV block ({block_bytes} bytes)")
         try:
+            # In segments: memory pressure gives them back to the OS one at a time.
             store = KVCacheStore.allocate_flat(self.kv_spec, num_blocks, cache_cfg.block_size,
-                                               pin_memory=self.device.type == "cuda")
+                                               pin_memory=self.device.type == "cuda",
+                                               segment_blocks=-(-num_blocks // HOST_TIER_SEGMENTS))
         except RuntimeError as exc:      # pinning more than the machine allows
             raise ValueError(f"kv_host_memory of {requested} bytes cannot be allocated"
                              f"{' pinned' if self.device.type == 'cuda' else ''} ({available} bytes available): "
@@ -213,11 +224,8 @@ class Engine:
         return store
 
     def _build_prefix_cache(self, num_blocks: int) -> Optional[PrefixCache]:
-        if self.config.cache_config.enable_prefix_caching and self.kv_spec.needs_rows:
-            # A full-precision window / error-feedback state lives per running sequence, outside
-            # the blocks, so a request starting from cached blocks would lack it.
-            logger.warning("prefix caching is off: the KV format keeps per-sequence state outside the blocks")
-            return None
+        # Window formats cache their blocks too: a request starting from cached blocks gets its
+        # full-precision ring filled from them (KVCacheStore.fill_window_rows).
         return build_prefix_cache(self.config.cache_config, num_blocks)
 
     def _time_step_shapes(self) -> list[tuple[StepShape, float]]:
@@ -353,6 +361,8 @@ class Engine:
         sched_out: Optional[SchedulerOutput] = None
         try:
             self._collect_transfers()
+            if self.host_sizer is not None:
+                self._resize_host_tier()
             if self._inflight is not None and self._may_preempt():
                 # Preemption recomputes from the token list, which must hold no pending token.
                 outputs += self._finish_inflight()
@@ -398,6 +408,22 @@ class Engine:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
                 if self.preemption_cost is not None:
                     self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed)
+
+    def _resize_host_tier(self) -> None:
+        """Memory pressure (--kv-host-memory-pressure): the host tier gives segments back to the OS
+        while the machine runs short, and takes them again once it has been calm a while."""
+        tier = self.kv_manager.host_tier
+        now = time.monotonic()
+        target = self.host_sizer.decide(tier.capacity, self.host_pressure.sample(), now)
+        if target == tier.capacity:
+            return
+        before, segment = tier.capacity, self.host_store.flat.segment_blocks
+        if target > before:
+            tier.set_capacity(self.host_store.resize_flat(target), segment)
+        else:
+            self.runner.transfers.synchronize()     # no copy in flight touches a segment about to go
+            self.host_store.resize_flat(tier.set_capacity(target, segment))
+        logger.info("host KV tier: %d -> %d blocks (%s)", before, tier.capacity, self.host_sizer.last_reason)
 
     def _collect_transfers(self, wait: bool = False) -> None:
         """Hands the worker's report on tier copies to the scheduler and the KV manager."""

@@ -32,6 +32,9 @@ class HostTier:
         if num_blocks < 1:
             raise ValueError(f"a host KV tier needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        # Blocks [0, capacity) may be used; memory pressure lowers it (set_capacity).
+        self.capacity = num_blocks
+        self.blocks_released = 0
         self._free = list(range(num_blocks - 1, -1, -1))
         self._by_hash: OrderedDict[bytes, HostBlock] = OrderedDict()    # least recently used first
         self._hash_of: dict[int, bytes] = {}                             # host id -> its cached block
@@ -117,6 +120,27 @@ class HostTier:
                 del self._by_hash[block_hash]
                 self._free.append(host_id)
 
+    def set_capacity(self, target: int, granule: int) -> int:
+        """Uses blocks [0, capacity) only, `capacity` the smallest multiple of `granule` (a store
+        segment) >= target that keeps every block a swap or this step's loads hold; cached blocks
+        above it leave the index (the coldest lose nothing they cannot recompute). Returns it."""
+        free = set(self._free)
+        # Held by swapped-out requests (neither free nor indexed), or read by this step's loads.
+        busy = [host_id for host_id in range(target, self.capacity)
+                if host_id in self._reading or (host_id not in self._hash_of and host_id not in free)]
+        capacity = min(self.num_blocks, -(-max([target] + [host_id + 1 for host_id in busy]) // granule) * granule)
+        if capacity < self.capacity:
+            for host_id in range(capacity, self.capacity):
+                block_hash = self._hash_of.pop(host_id, None)
+                if block_hash is not None:
+                    del self._by_hash[block_hash]
+                    self.blocks_released += 1
+            self._free = [host_id for host_id in self._free if host_id < capacity]
+        else:
+            self._free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+        return capacity
+
     # --- swap preemption: a request's blocks, held outside the index until it resumes ----------------
     def reserve(self, count: int) -> Optional[list[int]]:
         """`count` host blocks for a swapped-out request (free ones first, then least recently used
@@ -144,6 +168,7 @@ class HostTier:
         self._release_after_step.extend(host_ids)
 
     def make_stats(self) -> HostTierStats:
-        return HostTierStats(self.num_blocks, self.num_used_blocks, self.hit_tokens, self.blocks_written,
+        return HostTierStats(self.capacity, self.num_used_blocks, self.hit_tokens, self.blocks_written,
                              self.blocks_loaded, self.blocks_evicted, self.writes_dropped, self.swapped_out,
-                             self.swapped_in, self.swap_failures, self.load_failures)
+                             self.swapped_in, self.swap_failures, self.load_failures,
+                             self.num_blocks, self.blocks_released)

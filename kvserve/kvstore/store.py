@@ -34,6 +34,7 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 import torch
 
 from kvserve.kvstore.formats import SCALE_DTYPE, KVFormat
+from kvserve.kvstore.host_rows import HostRows
 from kvserve.kvstore.quantized_part import QuantizedKVCache
 from kvserve.kvstore.spec import KVCacheSpec
 
@@ -106,10 +107,10 @@ class KVCacheStore:
     """The paged KV of every layer, allocated from a spec, with block and row transfer."""
 
     def __init__(self, spec: KVCacheSpec, layers: list[LayerKV], num_blocks: int, block_size: int,
-                 num_rows: int, device: torch.device, flat: torch.Tensor | None = None,
+                 num_rows: int, device: torch.device, flat: HostRows | None = None,
                  block_bytes: list[int] | None = None) -> None:
         self.spec = spec
-        self.flat = flat                 # [num_blocks, block_nbytes] uint8 for a tier's store, else None
+        self.flat = flat                 # a tier's store: its blocks as rows of bytes (host_rows.py), else None
         self.layers = layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -144,12 +145,23 @@ class KVCacheStore:
 
     @classmethod
     def allocate_flat(cls, spec: KVCacheSpec, num_blocks: int, block_size: int,
-                      pin_memory: bool = False) -> "KVCacheStore":
+                      pin_memory: bool = False, segment_blocks: int | None = None) -> "KVCacheStore":
         """A host store of whole blocks in the byte layout of `read_blocks` (a tier's store: it moves
-        blocks, never attends). Holds no per-sequence rows."""
+        blocks, never attends), in segments of `segment_blocks` (default: one) that `resize_flat`
+        frees and allocates again. Holds no per-sequence rows."""
         probe = cls.allocate(spec, 1, block_size, "meta", num_rows=1 if spec.needs_rows else 0)
-        flat = torch.zeros(num_blocks, probe.block_nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        flat = HostRows(num_blocks, probe.block_nbytes, segment_blocks or num_blocks, pin_memory)
         return cls(spec, [], num_blocks, block_size, 0, torch.device("cpu"), flat, probe._block_bytes)
+
+    def resize_flat(self, num_blocks: int) -> int:
+        """A tier's store keeps blocks [0, num_blocks) (whole segments) in memory and frees the rest;
+        returns how many blocks are live. Copies in flight must have finished."""
+        live = self.flat.resize(num_blocks)
+        if self.flat.pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            # Freed pinned memory stays cached by torch unless emptied: it would never reach the OS.
+            torch._C._host_emptyCache()
+        return live
 
     # --- the layers, as the model reads them ----------------------------------------------------
     def __len__(self) -> int:
@@ -185,6 +197,28 @@ class KVCacheStore:
         for part in self.quantized_parts():
             if part.residual is not None:
                 part.residual.index_fill_(0, index, 0.0)
+
+    def fill_window_rows(self, row: int, block_table: Sequence[int], num_tokens: int) -> None:
+        """The full-precision ring of `row`, for a sequence whose first `num_tokens` tokens are
+        already in its blocks (a prefix-cache hit, a load from a tier): the ring positions among
+        them (the sinks, the last `window`) get their values read back from the blocks. The
+        quantization error of those tokens then stays in; that is what a hit costs a window format
+        (docs/kv_tiers.md)."""
+        spec = self.spec
+        if not (spec.window or spec.sinks) or num_tokens < 1:
+            return
+        ring, bs = spec.sinks + spec.window, self.block_size
+        recent = torch.arange(max(0, num_tokens - spec.window), num_tokens) if spec.window else torch.arange(0)
+        sinks = torch.arange(min(spec.sinks, num_tokens))
+        positions = torch.cat((recent, sinks))
+        destinations = torch.cat((row * ring + spec.sinks + (recent % spec.window if spec.window else recent),
+                                  row * ring + sinks))
+        table = torch.as_tensor(list(block_table), dtype=torch.long)
+        slots = (table[positions // bs] * bs + positions % bs).to(self.device)
+        destinations = destinations.to(self.device)
+        for part in self.quantized_parts():
+            if part.window is not None:
+                part.window.index_copy_(0, destinations, part.gather_slots(slots).to(part.window.dtype))
 
     def copy_rows(self, src_rows: Sequence[int], dst_rows: Sequence[int], dst: "KVCacheStore") -> None:
         """Per-sequence state (window ring rows, residuals) of `src_rows` into `dst_rows` of `dst`."""
@@ -236,13 +270,13 @@ class KVCacheStore:
     # when the other side is a GPU and the store is pinned.
     def put_rows(self, ids: list[int], data: torch.Tensor) -> None:
         """Rows of `data` (on any device) into the flat store's blocks `ids`."""
-        for start, end, offset in _runs(ids):
-            self.flat[start:end].copy_(data[offset:offset + end - start], non_blocking=True)
+        for rows, offset, count in self.flat.runs(ids):
+            rows.copy_(data[offset:offset + count], non_blocking=True)
 
     def take_rows(self, ids: list[int], out: torch.Tensor) -> torch.Tensor:
         """The flat store's blocks `ids` into the first rows of `out` (on any device); returns them."""
-        for start, end, offset in _runs(ids):
-            out[offset:offset + end - start].copy_(self.flat[start:end], non_blocking=True)
+        for rows, offset, count in self.flat.runs(ids):
+            out[offset:offset + count].copy_(rows, non_blocking=True)
         return out[:len(ids)]
 
     def read_blocks(self, block_ids: BlockIds) -> torch.Tensor:
@@ -268,7 +302,7 @@ class KVCacheStore:
     def gather_bytes(self, index: torch.Tensor) -> torch.Tensor:
         """Blocks `index` (on this store's device) -> [n, block_nbytes] uint8 on this device."""
         if self.flat is not None:
-            return self.flat.index_select(0, index)
+            return self.flat.gather(index.tolist())
         count = index.numel()
         pieces = [tensor.index_select(0, index).reshape(count, -1).view(torch.uint8)
                   for tensor in self._block_tensors]
@@ -277,7 +311,7 @@ class KVCacheStore:
     def scatter_bytes(self, index: torch.Tensor, data: torch.Tensor) -> None:
         """[n, block_nbytes] uint8 on this device -> blocks `index`."""
         if self.flat is not None:
-            self.flat.index_copy_(0, index, data)
+            self.flat.scatter(index.tolist(), data)
             return
         count = index.numel()
         for tensor, piece in zip(self._block_tensors, data.split(self._block_bytes, dim=1)):
@@ -304,17 +338,6 @@ def _block_tensors(part: KVPart) -> list[torch.Tensor]:
     if not is_quantized(part):
         return [part]
     return [part.payload] + ([part.scales] if part.scales is not None else [])
-
-
-def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
-    """(first id, end id, offset in `ids`) of each run of consecutive ids."""
-    offset = 0
-    while offset < len(ids):
-        end = offset + 1
-        while end < len(ids) and ids[end] == ids[end - 1] + 1:
-            end += 1
-        yield ids[offset], ids[end - 1] + 1, offset
-        offset = end
 
 
 def _ring_index(rows: Sequence[int], ring: int, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ class GraphRunner(Protocol):
     backend: AttentionBackend
     num_kv_rows: int
 
-    def assign_kv_rows(self, items: list[ScheduledRequest]) -> list[int]: ...
+    def assign_kv_rows(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> list[int]: ...
 
     def kv_row_tensors(self, items: list[ScheduledRequest], rows: list[int]) -> tuple[np.ndarray, np.ndarray]: ...
 
@@ -132,7 +132,7 @@ class DecodeGraphs:
         self.block_tables[:size, :width].copy_(torch.from_numpy(table_array), non_blocking=True)
         if self.kv_rows is not None:
             # Whole `size` rows: a padding row must not keep a real row's ring slot from an earlier step.
-            rows = self.runner.assign_kv_rows(items)
+            rows = self.runner.assign_kv_rows(items, block_tables)
             token_rows, window_slots = self.runner.kv_row_tensors(items, rows)
             spec, num_rows = self.runner.kv_spec, self.runner.num_kv_rows
             padded_rows = np.full(size, num_rows, dtype=np.int64)

@@ -225,6 +225,12 @@ class KVTransfers:
             torch.cuda.synchronize(self.device)
         return count * source.block_nbytes / max(time.perf_counter() - started, 1e-9)
 
+    def synchronize(self) -> None:
+        """Waits for every copy issued so far (before the tier frees memory a copy may touch)."""
+        for stream in (self.stream, self.scatter_stream):
+            if stream is not None:
+                stream.synchronize()
+
     # --- completion ---------------------------------------------------------------------------
     @property
     def has_pending_tickets(self) -> bool:

@@ -49,6 +49,8 @@ def available_host_memory(meminfo: str = "/proc/meminfo") -> int | None:
 DEFAULT_HOST_TIER_FRACTION = 0.25
 DEFAULT_HOST_TIER_DEVICE_RATIO = 2
 DEFAULT_HOST_TIER_MAX_BYTES = 32 << 30
+# The host tier's store is allocated in this many segments, the unit memory pressure frees.
+HOST_TIER_SEGMENTS = 8
 
 
 def default_host_tier_bytes(device: torch.device, available: int | None, device_kv_bytes: int) -> int:

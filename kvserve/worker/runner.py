@@ -100,7 +100,7 @@ class ModelRunner:
             slots.append(self._slots(block_tables[request.request_id], start, end))
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)),
                                  num_decode_tokens=len(decodes))
-        kv_rows = self.assign_kv_rows(ordered) if self.num_kv_rows else None
+        kv_rows = self.assign_kv_rows(ordered, block_tables) if self.num_kv_rows else None
         if kv_rows is not None:
             token_rows, window_slots = self.kv_row_tensors(ordered, kv_rows)
             meta.kv_rows = self._to_device(token_rows)
@@ -133,10 +133,11 @@ class ModelRunner:
         return ordered, input_ids, positions_t, meta
 
     # --- per-sequence rows of quantized caches (window ring, error-feedback residual) -----------
-    def assign_kv_rows(self, items: list[ScheduledRequest]) -> list[int]:
+    def assign_kv_rows(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> list[int]:
         """Each item's row; rows of requests that finished or were preempted go back first. A
         request starting from position 0 (new, or recomputing after preemption) has its
-        error-feedback residual cleared."""
+        error-feedback residual cleared; one that gets a row with tokens already in its blocks (a
+        prefix-cache hit, a load from a tier, a swap-in) has its window ring filled from them."""
         scheduled = {item.request.request_id for item in items}
         for request_id, (row, request) in list(self._kv_row_of.items()):
             if request_id not in scheduled and request.status != RequestStatus.RUNNING:
@@ -151,6 +152,9 @@ class ModelRunner:
                     raise RuntimeError("more running requests than quantized-KV rows (max_num_seqs)")
                 entry = (self._free_kv_rows.pop(), request)
                 self._kv_row_of[request.request_id] = entry
+                if request.num_computed_tokens:
+                    self.kv_store.fill_window_rows(entry[0], block_tables[request.request_id],
+                                                   request.num_computed_tokens)
             rows.append(entry[0])
             if request.num_computed_tokens == 0:
                 fresh.append(entry[0])

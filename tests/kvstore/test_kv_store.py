@@ -203,7 +203,7 @@ def test_a_flat_tier_store_keeps_blocks_byte_for_byte(dtype):
     spec = build_kv_cache_spec(2, 2, 8, torch.float32, kv_cache_dtype=dtype, kv_quant_window=0, kv_quant_sinks=0)
     device = _random_store(spec, 8, 3)
     tier = KVCacheStore.allocate_flat(spec, 10, 4)
-    assert tier.block_nbytes == device.block_nbytes and tier.flat.shape == (10, device.block_nbytes)
+    assert tier.block_nbytes == device.block_nbytes and (tier.flat.num_live_blocks, tier.flat.block_nbytes) == (10, device.block_nbytes)
     device.copy_blocks([0, 1, 2, 5, 7], [4, 5, 6, 0, 9], tier)          # runs 4-6, then 0, then 9
     assert torch.equal(tier.read_blocks([4, 5, 6, 0, 9]), device.read_blocks([0, 1, 2, 5, 7]))
     back = KVCacheStore.allocate(spec, 8, 4, "cpu")
