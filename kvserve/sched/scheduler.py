@@ -206,19 +206,19 @@ class Scheduler:
 
     def complete_transfers(self, landed: list[int], failed: list[int]) -> None:
         """The worker's report on ticketed copies: loading requests whose KV has arrived join the
-        running batch (their loaded blocks join the prefix cache); a request whose copy failed
-        goes back to the front of the queue to recompute."""
+        running batch; a request whose copy failed goes back to the front of the queue to recompute."""
         for ticket, ok in [(t, True) for t in landed] + [(t, False) for t in failed]:
             recompute = self.kv_manager.complete_transfer(ticket, ok)
             if recompute is not None:
                 request = self.requests.get(recompute)
                 if request is not None:
                     self._requeue_for_recompute(request)
+        # Their loaded blocks join the prefix cache with the first chunk they compute (`advance`,
+        # which overlaps the GPU), not here, on the way to their first token.
         for request_id in [rid for rid in self.loading if not self.kv_manager.is_loading(rid)]:
             request = self.loading.pop(request_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self.kv_manager.cache_full_blocks(request_id, request.num_computed_tokens)
 
     def _requeue_for_recompute(self, request: Request) -> None:
         request.num_computed_tokens = 0
