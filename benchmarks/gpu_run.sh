@@ -2,7 +2,7 @@
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
-#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier]
+#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -96,4 +96,8 @@ if [[ $what == *" overload "* ]]; then   # swap / auto / recompute preemption un
   timeout 500 python3 benchmarks/engine/preemption_bench.py --modes recompute,swap,auto --requests 64 --prompt-tokens 2048 \
     --max-tokens 256 --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 \
     --kv-cache-memory 2GiB --kv-host-memory 16GiB --json "$OUT/h200_preemption_overload.json" 2>&1 | tail -5
+fi
+if [[ $what == *" multiturn "* ]]; then   # multi-turn chat, working set 4x the GPU KV: host tier against none
+  timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b --out "$OUT/h200_multiturn_qwen7b.json" \
+    2>&1 | tail -12 | tee "$OUT/gpu_multiturn.log"
 fi

@@ -86,6 +86,9 @@ class KVCacheManager:
         self._loading: dict[str, int] = {}
         self._orphaned: dict[int, list[int]] = {}
         self._next_ticket = 0
+        # GPU blocks freed, published or evicted since the last step's copies were taken: the step
+        # in flight may still write or read them, so a load into one waits for it.
+        self._touched: set[int] = set()
         # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
         self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
         if host_tier is not None:
@@ -93,6 +96,7 @@ class KVCacheManager:
 
     # --- the host tier -----------------------------------------------------------------------------
     def _write_back(self, cached: CachedBlock) -> None:
+        self._touched.add(cached.block_id)      # its write-back gathers it on the main stream
         if cached.stats.count < self.write_back_min_uses:
             return
         self._copy_to_host(cached.block_id, cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
@@ -139,6 +143,7 @@ class KVCacheManager:
             del self._loading[request_id]
         orphan = self._orphaned.pop(ticket, None)
         if orphan is not None:          # freed while loading: its blocks are safe to reuse now
+            self._touched.update(orphan)
             self.pool.free(reversed(orphan))
             return None
         if ok:
@@ -196,9 +201,11 @@ class KVCacheManager:
 
     def take_block_copies(self) -> list[BlockCopy]:
         """The copies this step's allocations need, in the order they must run."""
-        copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket)
+        copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket,
+                            after_inflight=destination != DEVICE_STORE or not self._touched.isdisjoint(dst))
                   for source, destination, purpose, ticket, src, dst in self._pending_copies]
         self._pending_copies = []
+        self._touched = set()
         if self.host_tier is not None:
             self.host_tier.end_step()
         return copies
@@ -297,6 +304,7 @@ class KVCacheManager:
         for index in range(state.num_published, end):
             parent = hashes[index - 1] if index else seq.cache_root
             tokens = seq.token_ids_between(index * bs, (index + 1) * bs)
+            self._touched.add(table[index])
             inserted = self.prefix_cache.insert(table[index], hashes[index], parent, tokens, seq.cache_namespace, index)
             if inserted and self.write_through:
                 self._copy_to_host(table[index], hashes[index], parent, tokens, seq.cache_namespace)
@@ -378,6 +386,7 @@ class KVCacheManager:
         if ticket is not None:          # a copy still fills some of these blocks: freed when it lands
             self._orphaned[ticket] = table
             return
+        self._touched.update(table)
         # Freed in reverse so the tail (least likely shared) is reused first.
         self.pool.free(reversed(table))
 

@@ -62,6 +62,10 @@ class BlockCopy:
     dst_block_ids: tuple[int, ...]
     purpose: str = WRITE_BACK
     ticket: Optional[int] = None
+    # A copy into the device store must wait for the step in flight when one of its blocks may
+    # still be written or read by it (freed, published or evicted since the last step was issued);
+    # otherwise it starts at once.
+    after_inflight: bool = True
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
@@ -364,11 +368,12 @@ class _Allocator:
         payload = self.zeros(*paged, fmt.payload_width(dim), dtype=fmt.storage_dtype(spec.model_dtype))
         if fmt.name == "int4":
             payload.fill_(0x88)          # codes of 0.0: a never-written slot reads as zeros
-        groups = fmt.num_scale_groups(dim)
+        shape = fmt.scales_shape(self.block_size, heads, dim)     # per token, or per channel and block
         scales = None
-        if groups:
-            scales = self.zeros(*paged, groups, dtype=SCALE_DTYPE)
-            scales.fill_(1.0)
+        if shape is not None:
+            scales = self.zeros(self.num_blocks, *shape, dtype=SCALE_DTYPE)
+            if not fmt.per_channel:      # per channel: scale 0 and zero 0, so an unwritten block reads zeros
+                scales.fill_(1.0)
         static = None
         if fmt.static_scales:
             name = f"layers.{layer}.{part_name}"

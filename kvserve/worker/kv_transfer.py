@@ -7,9 +7,10 @@ in while other requests keep stepping on the main stream:
   stream into a staging slot (a device-speed copy, well under a millisecond), and the transfer
   stream then moves the slot to pinned host memory while the forward runs.
 - Copies into the device store (loads, swap-ins) go host -> staging slot on the transfer stream,
-  then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile), after
-  everything already queued on the main stream (so a block freed by a request of the step in
-  flight is not written while that step still uses it).
+  then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile). A load
+  whose blocks the step in flight may still touch (freed, published or evicted since the last step
+  was issued: `BlockCopy.after_inflight`, set by the KV manager) first waits for everything queued
+  on the main stream; any other load starts at once, so it lands a step earlier.
   The blocks belong to a request the scheduler holds back until its ticket is reported landed
   (`poll`, an event query: no host synchronisation in the step).
 - One transfer stream keeps every tier copy in issue order, so a host block that a load reads is
@@ -179,7 +180,8 @@ class KVTransfers:
         main, copier, scatterer = torch.cuda.current_stream(self.device), self.stream, self.scatter_stream
         ring = self._ring("in", destination)
         src_ids = list(copy.src_block_ids)
-        copier.wait_stream(main)
+        if copy.after_inflight:
+            copier.wait_stream(main)
         started = torch.cuda.Event(enable_timing=True)
         started.record(copier)
         with torch.cuda.stream(scatterer):

@@ -326,3 +326,34 @@ def test_selective_writes_back_only_blocks_used_often_enough(folder):
     host = llm.engine.make_stats().kv_cache.host
     assert host.blocks_written >= 10
     assert _tokens(llm, PROMPT) == warm_first and llm.engine.make_stats().kv_cache.host.hit_tokens == 10 * BLOCK
+
+
+def test_a_load_waits_for_the_step_in_flight_only_into_blocks_it_may_touch():
+    """A load into blocks nobody freed, published or evicted since the last step's copies starts at
+    once; one into blocks freed in that window (the step in flight may still write them) waits."""
+    from kvserve.kvcache.manager import KVCacheManager
+    from kvserve.kvcache.policies import make_policy
+    from kvserve.kvcache.prefix_cache import PrefixCache
+    tier = HostTier(8)
+    manager = KVCacheManager(4, BLOCK, PrefixCache(make_policy("lru", num_blocks=4)), tier)
+    tokens = [7] * (3 * BLOCK) + [1]
+
+    def admit(request_id: str):
+        seq = _Seq(request_id, tokens)
+        hit = manager.find_cached_prefix(seq)
+        assert len(hit.host_block_ids) == 3
+        assert manager.allocate_slots(request_id, seq.num_tokens, hit, seq)
+        (load,) = manager.take_block_copies()
+        manager.complete_transfer(load.ticket, ok=True)
+        return load
+
+    seq = _Seq("warm", tokens)
+    manager.find_cached_prefix(seq)
+    for index, block_hash in enumerate(seq.block_hashes):      # the prefix is on the host only
+        parent = seq.block_hashes[index - 1] if index else seq.cache_root
+        tier.store(block_hash, parent, tokens[index * BLOCK:(index + 1) * BLOCK], seq.cache_namespace)
+    first = admit("a")
+    assert not first.after_inflight                  # fresh blocks: starts at once
+    manager.free("a")                                # its blocks are reused by the next load
+    second = admit("b")
+    assert set(second.dst_block_ids) & set(first.dst_block_ids) and second.after_inflight
