@@ -205,12 +205,20 @@ class CacheConfig:
                                                **bounds(ge=0))
     kv_full_precision_last_layers: int = _opt(0, "keep the KV cache of the last N layers in the model dtype",
                                               **bounds(ge=0))
-    kv_quant_group_size: Optional[int] = _opt(None, "head_dim elements per KV scale (default: 32 for int4, "
-                                                    "the whole head for 8-bit)", **bounds(ge=1))
+    kv_quant_group_size: Optional[int] = _opt(None, "head_dim elements per per-token KV scale (default: 32 for "
+                                                    "int4, the whole head for 8-bit); per-channel int4 keys have "
+                                                    "none, so there it sets the values'", **bounds(ge=1))
     kv_quant_window: Optional[int] = _opt(None, "most recent tokens kept in full precision beside a quantized "
-                                                "cache (default: 128 for int4, else 0)", **bounds(ge=0))
+                                                "cache (default: 128 for int4 keys with per-token scales, else 0)",
+                                          **bounds(ge=0))
     kv_quant_sinks: Optional[int] = _opt(None, "first tokens kept in full precision beside a quantized cache "
-                                               "(default: 4 for int4, else 0)", **bounds(ge=0))
+                                               "(default: 4 for int4 keys with per-token scales, else 0)",
+                                         **bounds(ge=0))
+    kv_quant_key_layout: str = _opt("auto", "how quantized keys are scaled: channel (int4 only: an fp16 scale and "
+                                            "zero point per channel, KV head and block, re-encoded as the block "
+                                            "fills; needs no full-precision window), token (scales per token and "
+                                            "group, as values); auto = token until the pipelined decode kernel reads "
+                                            "per-channel keys", choices=("auto", "token", "channel"))
     kv_error_feedback: bool = _opt(False, "carry each token's KV quantization residual into the next token's")
     kv_scales_file: Optional[str] = _opt(None, "static per-channel KV scales from `kvserve calibrate` "
                                                "(replaces dynamic per-token scales)")

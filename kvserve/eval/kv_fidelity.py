@@ -36,7 +36,7 @@ from kvserve.sched.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import ScheduledRequest
 from kvserve.config import resolve_format_name
-from kvserve.kvstore import KV_SPEC_OPTIONS
+from kvserve.kvstore.spec import KV_FORMAT_OPTIONS
 
 
 def default_text() -> str:
@@ -289,7 +289,7 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
 def _format_engine_options(base_options: dict[str, Any], format_options: dict[str, Any]) -> dict[str, Any]:
     """A format's engine options: the base ones, which must leave every KV cache option to the
     format (one that set some would apply to some formats and collide with others')."""
-    shared = sorted(set(base_options) & set(KV_SPEC_OPTIONS))
+    shared = sorted(set(base_options) & set(KV_FORMAT_OPTIONS))
     if shared:
         raise ValueError(f"the base engine options set {', '.join(shared)}: each format sets its own KV cache "
                          f"options (eval_engine_options separates them)")
@@ -300,29 +300,36 @@ def _format_engine_options(base_options: dict[str, Any], format_options: dict[st
 REFERENCE_FORMAT = "full"
 # Formats the fidelity benchmark compares (name -> engine options; "@scales": the calibrated scales
 # file, see select_formats).
+_TOKEN_KEYS = {"kv_quant_key_layout": "token"}     # int4 keys with per-token scales (the window's formats)
 DEFAULT_FORMATS: dict[str, dict[str, Any]] = {
     "full": {"kv_cache_dtype": "auto"},
     "bf16": {"kv_cache_dtype": "bf16"},
     "int8": {"kv_cache_dtype": "int8"},
     "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+    # int4 keys per channel and block (asymmetric, requantize-on-grow), values per token (group 32),
+    # no window: --kv-quant-key-layout channel.
+    "int4": {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"},
+    "int4-kchannel-w128-s4": {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel", "kv_quant_window": 128,
+                              "kv_quant_sinks": 4},
     "int4-g32-w128-s4": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 128,
-                         "kv_quant_sinks": 4},
+                         "kv_quant_sinks": 4, **_TOKEN_KEYS},
     "int4-g32-nowindow-nosinks": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0,
-                                  "kv_quant_sinks": 0},
+                                  "kv_quant_sinks": 0, **_TOKEN_KEYS},
     "int4-g32-sinks4-only": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0,
-                             "kv_quant_sinks": 4},
+                             "kv_quant_sinks": 4, **_TOKEN_KEYS},
     "int4-g32-window128-only": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 128,
-                                "kv_quant_sinks": 0},
+                                "kv_quant_sinks": 0, **_TOKEN_KEYS},
     "int4-g64-w128-s4": {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 128,
-                         "kv_quant_sinks": 4},
+                         "kv_quant_sinks": 4, **_TOKEN_KEYS},
     "k-int8/v-fp8": {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
     "int8+first/last-2-layers-full": {"kv_cache_dtype": "int8", "kv_full_precision_first_layers": 2,
                                       "kv_full_precision_last_layers": 2},
     "int8+error-feedback": {"kv_cache_dtype": "int8", "kv_error_feedback": True},
     "int4-g32-nowindow+error-feedback": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0,
-                                         "kv_quant_sinks": 0, "kv_error_feedback": True},
+                                         "kv_quant_sinks": 0, "kv_error_feedback": True, **_TOKEN_KEYS},
     "int4-g32-w128-s4+error-feedback": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32,
-                                        "kv_quant_window": 128, "kv_quant_sinks": 4, "kv_error_feedback": True},
+                                        "kv_quant_window": 128, "kv_quant_sinks": 4, "kv_error_feedback": True,
+                                        **_TOKEN_KEYS},
     # Keys per channel (static, calibrated on other text: `kvserve calibrate`) vs per token (above).
     "int8-keys-per-channel": {"kv_cache_dtype": "int8", "kv_scales_file": "@scales", "kv_static_scale_parts": "k"},
     "int4-nowindow-keys-per-channel": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0,
@@ -364,13 +371,13 @@ def eval_engine_options(options: dict[str, Any]) -> tuple[dict[str, Any], Option
     away from its default is refused: it would hold for some formats and not for others."""
     from kvserve.config import CacheConfig
     defaults = {f.name: f.default for f in fields(CacheConfig)}
-    changed = [name for name in KV_SPEC_OPTIONS
+    changed = [name for name in KV_FORMAT_OPTIONS
                if name != "kv_scales_file" and name in options and options[name] != defaults[name]]
     if changed:
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
         raise ValueError(f"{flags}: each format in --formats sets the KV cache options itself (--kv-scales-file "
                          f"is the one taken, by the static-scale formats); drop {flags}")
-    base = {name: value for name, value in options.items() if name not in KV_SPEC_OPTIONS}
+    base = {name: value for name, value in options.items() if name not in KV_FORMAT_OPTIONS}
     return base, options.get("kv_scales_file")
 
 

@@ -452,6 +452,21 @@ def _store_quant_inputs(options: Mapping[str, Any], num_kv_heads=3, head_dim=64,
     return make
 
 
+def _store_channel_inputs(device, dtype, seed, num_kv_heads=3, head_dim=64, num_blocks=6, block_size=4) -> Inputs:
+    """Per-channel int4 keys: one call holding what a step writes, a prefill chunk of two sequences'
+    worth of runs (one starting inside a block, over zeros there: the re-encode path) and a decode
+    token opening a block; tokens of very different magnitudes and channel offsets."""
+    gen = _generator(seed)
+    spec = build_kv_cache_spec(1, num_kv_heads, head_dim, dtype, kv_cache_dtype="int4", kv_quant_key_layout="channel",
+                               block_size=block_size)
+    scales = torch.logspace(-2, 1, 8)[:, None, None]
+    x = (torch.randn(8, num_kv_heads, head_dim, generator=gen) * scales
+         + torch.linspace(-2, 2, head_dim)).to(device=device, dtype=dtype)
+    slots = torch.tensor([20, 9, 10, 11, 12, 13, 14, 15], device=device)
+    return dict(spec=spec, x=x, slots=slots, ring_slots=None, num_blocks=num_blocks, block_size=block_size,
+                device=torch.device(device))
+
+
 def _quantized_part(x: Inputs):
     """A fresh, zeroed store's first quantized part (keys of layer 0)."""
     layer = KVCacheStore.allocate(x["spec"], x["num_blocks"], x["block_size"], x["device"], num_rows=1)[0]
@@ -578,17 +593,26 @@ CASES: tuple[KernelCase, ...] = (
     KernelCase("store_quantized[int8]", "kv_store_quant", "store_quantized", _store_quant_call,
                _store_quant_reference, _store_quant_inputs({"kv_cache_dtype": "int8"}), {BF16: (0.0, 0.0)}),
     KernelCase("store_quantized[int4-window-sinks]", "kv_store_quant", "store_quantized", _store_quant_call,
-               _store_quant_reference, _store_quant_inputs({"kv_cache_dtype": "int4"}, head_dim=128),
+               _store_quant_reference,
+               _store_quant_inputs({"kv_cache_dtype": "int4", "kv_quant_key_layout": "token"}, head_dim=128),
                {BF16: (0.0, 0.0)}),
+    KernelCase("store_quantized[int4-keys-per-channel]", "kv_store_quant", "store_quantized", _store_quant_call,
+               _store_quant_reference, _store_channel_inputs, {BF16: (0.0, 0.0), FP32: (0.0, 0.0)}),
     _quant_decode_case("fast-int8", {"kv_cache_dtype": "int8"}, "fast", ATTENTION_TOL, _QUANT_FAST),
     _quant_decode_case("fast-fp8_e4m3", {"kv_cache_dtype": "fp8_e4m3"}, "fast", ATTENTION_TOL, _QUANT_FAST),
-    _quant_decode_case("fast-int4-window-sinks", {"kv_cache_dtype": "int4"}, "fast", ATTENTION_TOL, _QUANT_FAST),
+    _quant_decode_case("fast-int4-window-sinks", {"kv_cache_dtype": "int4", "kv_quant_key_layout": "token"}, "fast",
+                       ATTENTION_TOL, _QUANT_FAST),
+    _quant_decode_case("fast-int4-keys-per-channel", {"kv_cache_dtype": "int4"}, "fast", ATTENTION_TOL, _QUANT_FAST),
+    _quant_decode_case("generic-int4-keys-per-channel-window", {"kv_cache_dtype": "int4", "kv_quant_window": 5,
+                                                                "kv_quant_sinks": 3}, "generic", ATTENTION_TOL,
+                       ("decode_attention",), num_splits=2),
     _quant_decode_case("generic-k-int8-v-plain-window",
                        {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto", "kv_quant_window": 5,
                         "kv_quant_sinks": 3}, "generic", ATTENTION_TOL, ("decode_attention",), num_splits=1),
     _quant_decode_case("pipelined-int8", {"kv_cache_dtype": "int8"}, "pipelined",
                        {BF16: ATTENTION_TOL[BF16], FP16: ATTENTION_TOL[FP16]}, _QUANT_PIPELINED, interpreter=False),
-    _quant_decode_case("pipelined-int4-window-sinks", {"kv_cache_dtype": "int4"}, "pipelined",
+    _quant_decode_case("pipelined-int4-window-sinks", {"kv_cache_dtype": "int4", "kv_quant_key_layout": "token"},
+                       "pipelined",
                        {BF16: ATTENTION_TOL[BF16], FP16: ATTENTION_TOL[FP16]}, _QUANT_PIPELINED, interpreter=False),
 )
 

@@ -34,23 +34,33 @@ from kvserve.kernels.registry import ring_slots  # noqa: E402
 from kvserve.kvstore import KVCacheStore, build_kv_cache_spec  # noqa: E402
 
 TOL = {torch.bfloat16: (3e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (1e-4, 1e-4)}
+TOKEN = {"kv_quant_key_layout": "token"}        # int4 keys with per-token scales (int4's default before)
 CASES = [
     {"kv_cache_dtype": "int8"},
     {"kv_cache_dtype": "fp8_e4m3"},
-    {"kv_cache_dtype": "int4"},                                         # group 32, window 128, 4 sinks
-    {"kv_cache_dtype": "int4", "kv_quant_window": 0, "kv_quant_sinks": 0},
-    {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 7, "kv_quant_sinks": 2},
+    {"kv_cache_dtype": "int4", **TOKEN},                                # group 32, window 128, 4 sinks
+    {"kv_cache_dtype": "int4", "kv_quant_window": 0, "kv_quant_sinks": 0, **TOKEN},
+    {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 7, "kv_quant_sinks": 2, **TOKEN},
     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto", "kv_quant_window": 5, "kv_quant_sinks": 3},
 ]
+# int4 keys per channel and block (the int4 default, no window: what "auto" gives, named here), with a
+# window, next to 8-bit values.
+CHANNEL = {"kv_quant_key_layout": "channel"}
+CHANNEL_CASES = [
+    {"kv_cache_dtype": "int4", **CHANNEL},
+    {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 7, "kv_quant_sinks": 2, **CHANNEL},
+    {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "int8", **CHANNEL},
+]
 # Layouts beyond the store cases: 8-bit groups (several scales per head: segments), keys int4 and
 # values plain with a window, and groups too small for the fast kernel (generic only).
-DECODE_CASES = CASES + [
+EXTRA_DECODE_CASES = [
     {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
-    {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "auto", "kv_quant_group_size": 16},
+    {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "auto", "kv_quant_group_size": 16, **TOKEN},
     {"kv_cache_dtype_k": "fp8_e4m3", "kv_cache_dtype_v": "int4", "kv_quant_window": 0, "kv_quant_sinks": 3},
     {"kv_cache_dtype": "int8", "kv_quant_group_size": 8},
 ]
+DECODE_CASES = CASES + CHANNEL_CASES + EXTRA_DECODE_CASES
 SHAPES = [(6, 2, 64), (28, 4, 128)] if not INTERPRET else [(6, 2, 64)]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if not INTERPRET else [torch.float32, torch.bfloat16]
 
@@ -63,7 +73,7 @@ _ring_slots = ring_slots
 def test_store_kernel_matches_reference(options, head_dim):
     from kvserve.kernels.triton.kv_store_quant import store_quantized, supported
     torch.manual_seed(0)
-    spec = build_kv_cache_spec(1, 3, head_dim, torch.bfloat16, **options)
+    spec = build_kv_cache_spec(1, 3, head_dim, torch.bfloat16, **options, block_size=4)
     want = KVCacheStore.allocate(spec, 6, 4, torch.device(DEVICE), num_rows=1)[0]
     got = KVCacheStore.allocate(spec, 6, 4, torch.device(DEVICE), num_rows=1)[0]
     x = (torch.randn(9, 3, head_dim) * torch.logspace(-2, 1, 9)[:, None, None]).to(torch.bfloat16).to(DEVICE)
@@ -90,6 +100,79 @@ def test_store_kernel_matches_reference(options, head_dim):
     before = part.payload.clone()
     store_quantized(x[:2], part, torch.tensor([-1, -1], device=DEVICE))
     assert torch.equal(before, part.payload)
+
+
+CHANNEL_TABLES = [[3, 0, 5, 6], [4, 1, 2, 7]]
+
+
+def _channel_steps(block_size: int):
+    """[(slots, [(sequence, first position, end position)])] of each step writing two sequences, as
+    the engine's steps do (decodes first, then prefill chunks), on the blocks of CHANNEL_TABLES: a
+    prompt chunk ending inside a block, one decode of it beside the other's prompt, decode steps over
+    both (tokens opening blocks among them) with a CUDA-graph padding slot (-1), and a chunk that
+    continues the second sequence inside a block and over the next."""
+    def slots(seq, start, end):
+        table = CHANNEL_TABLES[seq]
+        return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+    first = block_size + 3
+    steps = [(slots(0, 0, first), [(0, 0, first)]),
+             (slots(0, first, first + 1) + slots(1, 0, 2), [(0, first, first + 1), (1, 0, 2)])]
+    position = [first + 1, 2]
+    for _ in range(block_size + 2):
+        steps.append((slots(0, position[0], position[0] + 1) + slots(1, position[1], position[1] + 1) + [-1],
+                      [(0, position[0], position[0] + 1), (1, position[1], position[1] + 1)]))
+        position = [p + 1 for p in position]
+    steps.append((slots(1, position[1], 3 * block_size + 1), [(1, position[1], 3 * block_size + 1)]))
+    return steps
+
+
+@pytest.mark.parametrize("options", CHANNEL_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_channel_store_kernel_matches_reference(options, head_dim, block_size):
+    """Per-channel int4 keys (requantize-on-grow): after every step of two sequences' writes the
+    kernel's codes and (scale, zero) pairs equal the reference's, bit for bit, the window ring too;
+    what the blocks read back stays within a few quantization steps of what was written; padding
+    slots write nothing."""
+    from kvserve.kernels.triton.kv_store_quant import store_quantized, supported
+    torch.manual_seed(8)
+    heads = 3
+    spec = build_kv_cache_spec(1, heads, head_dim, torch.bfloat16, **options, block_size=block_size)
+    want = KVCacheStore.allocate(spec, 8, block_size, torch.device(DEVICE), num_rows=2)[0].key
+    got = KVCacheStore.allocate(spec, 8, block_size, torch.device(DEVICE), num_rows=2)[0].key
+    assert want.fmt.per_channel and supported(got)
+    # Channels with offsets and spreads of their own, tokens of growing magnitude: ranges widen.
+    length = 4 * block_size
+    growth = torch.linspace(0.3, 2, length)[:, None, None]
+    keys = [(torch.randn(length, heads, head_dim) * torch.linspace(0.1, 4, head_dim) * growth
+             + torch.linspace(-5, 3, head_dim)).to(torch.bfloat16).to(DEVICE) for _ in range(2)]
+    ends = [0, 0]
+    trash = 2 * (spec.sinks + spec.window)
+    for step_slots, pieces in _channel_steps(block_size):
+        padding = step_slots.count(-1)
+        x = torch.cat([keys[seq][start:end] for seq, start, end in pieces]
+                      + [torch.zeros(padding, heads, head_dim, dtype=torch.bfloat16, device=DEVICE)])
+        slots = torch.tensor(step_slots, device=DEVICE)
+        ring = None
+        if spec.needs_rows:
+            ring = torch.cat([_ring_slots(spec, seq, 2, torch.arange(start, end)) for seq, start, end in pieces]
+                             + [torch.full((padding, 2), trash)]).to(DEVICE)
+        real = slots >= 0
+        want.store(x[real], slots[real], ring[real] if ring is not None else None)
+        store_quantized(x, got, slots, ring)
+        assert torch.equal(want.scales, got.scales)
+        assert torch.equal(want.payload, got.payload)
+        if want.window is not None:
+            assert torch.equal(want.window[:-1], got.window[:-1])
+        for seq, _, end in pieces:
+            ends[seq] = end
+    for seq, table in enumerate(CHANNEL_TABLES):
+        positions = torch.arange(ends[seq])
+        slots = (torch.tensor(table)[positions // block_size] * block_size + positions % block_size).to(DEVICE)
+        back = got.gather_slots(slots).float()
+        step = got.scales[slots // block_size][:, :, 0].float()
+        assert ((back - keys[seq][:ends[seq]].float()).abs() <= 4 * step + 1e-2).all()
 
 
 def _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_rows):
@@ -145,7 +228,8 @@ def test_fused_dequant_decode_matches_reference(options, shape, dtype):
 
 @pytest.mark.parametrize("ids_ahead", [True, False], ids=["ids-ahead", "ids-in-loop"])
 @pytest.mark.parametrize("tile,staging", [(32, "fp16"), (128, "fp16"), (64, "codes"), (32, "codes")])
-@pytest.mark.parametrize("options", [CASES[0], CASES[2], DECODE_CASES[7], DECODE_CASES[9]],
+@pytest.mark.parametrize("options", [CASES[0], CASES[2], EXTRA_DECODE_CASES[0], EXTRA_DECODE_CASES[2],
+                                     CHANNEL_CASES[0], CHANNEL_CASES[1]],
                          ids=lambda o: "-".join(f"{v}" for v in o.values()))
 def test_fast_decode_kernel_launch_variants(options, tile, staging, ids_ahead):
     """The fast kernel's tile, value staging and block-id loading are launch choices: they give the
@@ -181,10 +265,10 @@ PIPELINED_CASES = [
     {"kv_cache_dtype": "fp8_e4m3"},
     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
     {"kv_cache_dtype_k": "fp8_e4m3", "kv_cache_dtype_v": "int8"},
-    {"kv_cache_dtype": "int4", "kv_quant_window": 0, "kv_quant_sinks": 0},                     # groups of 32
-    {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0},
-    {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0},
-    {"kv_cache_dtype": "int4"},                                         # group 32, window 128, 4 sinks
+    {"kv_cache_dtype": "int4", "kv_quant_window": 0, "kv_quant_sinks": 0, **TOKEN},           # groups of 32
+    {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0, **TOKEN},
+    {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0, **TOKEN},
+    {"kv_cache_dtype": "int4", **TOKEN},                                # group 32, window 128, 4 sinks
     {"kv_cache_dtype": "int8", "kv_quant_window": 16, "kv_quant_sinks": 3},
 ]
 
@@ -230,7 +314,8 @@ def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
 
 
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
-@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int4"}, {"kv_cache_dtype": "int8"}], ids=["int4", "int8"])
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int4", **TOKEN}, {"kv_cache_dtype": "int8"}],
+                         ids=["int4", "int8"])
 def test_pipelined_decode_with_64_bit_offsets(monkeypatch, options):
     """Caches of 2^31 elements or more per part take 64-bit row offsets (WIDE); forced here on small
     caches, the kernel gives the reference's output all the same."""
@@ -259,15 +344,19 @@ def test_pipelined_decode_with_64_bit_offsets(monkeypatch, options):
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
 def test_pipelined_decode_declines_what_it_does_not_cover():
     """A full-precision part (with or without a window on the other), int4 next to an 8-bit part, 8-bit
-    scale groups, int4 groups under 32, groups of more than 8 heads: the Triton kernels serve them."""
+    scale groups, int4 groups under 32, per-channel int4 keys, groups of more than 8 heads: the Triton
+    kernels serve them."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     head_dim, kv_heads = 128, 2
     query = torch.randn(3, 2 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
     for options in ({"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto", "kv_quant_window": 8},
                     {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "int8", "kv_quant_window": 0,
-                     "kv_quant_sinks": 0},
+                     "kv_quant_sinks": 0, **TOKEN},
                     {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
-                    {"kv_cache_dtype": "int4", "kv_quant_group_size": 16, "kv_quant_window": 0, "kv_quant_sinks": 0},
+                    {"kv_cache_dtype": "int4", "kv_quant_group_size": 16, "kv_quant_window": 0, "kv_quant_sinks": 0,
+                     **TOKEN},
+                    {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"},   # keys per channel
+                    {"kv_cache_dtype": "int4", "kv_quant_window": 128, "kv_quant_sinks": 4},
                     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto"}):
         spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)
         k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
@@ -294,7 +383,7 @@ def test_decode_with_static_scales_matches_reference(name, parts, tmp_path):
     path = tmp_path / "scales.json"
     save_scales(str(path), absmax, {})
     spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, kv_cache_dtype=name, kv_scales_file=str(path),
-                               kv_static_scale_parts=parts, kv_quant_window=6, kv_quant_sinks=2)
+                               kv_static_scale_parts=parts, kv_quant_window=6, kv_quant_sinks=2, **TOKEN)
     lens = torch.tensor([70, 17, 0, 40])
     tables = torch.stack([torch.randperm(num_blocks)[:20] for _ in range(4)])
     rows = torch.tensor([2, 0, 1, 3])
@@ -312,7 +401,8 @@ def test_decode_with_static_scales_matches_reference(name, parts, tmp_path):
                                    msg=lambda m: f"{implementation}: {m}")
 
 
-@pytest.mark.parametrize("options", CASES[:4], ids=lambda o: "-".join(f"{v}" for v in o.values()))
+@pytest.mark.parametrize("options", CASES[:4] + CHANNEL_CASES,
+                         ids=lambda o: "-".join(f"{v}" for v in o.values()))
 def test_triton_backend_matches_torch_backend_on_quantized_caches(options):
     """One mixed step (two decodes + a plain prefill + a prefill over a cached prefix) through both
     backends, each on its own copy of the same cache."""
@@ -364,17 +454,27 @@ def test_triton_backend_matches_torch_backend_on_quantized_caches(options):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+TORCH_EAGER = {"attention_backend": "torch", "enforce_eager": True}
+
+
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
-@pytest.mark.parametrize("options", [
-    {"kv_cache_dtype": "int4"},                                         # group 32, window 128, 4 sinks
-    {"kv_cache_dtype": "int8"},
-], ids=["int4-default", "int8"])
-def test_engine_decodes_through_the_pipelined_kernel(tmp_path, options):
+@pytest.mark.parametrize("options, kernels, reference", [
+    ({"kv_cache_dtype": "int4", **TOKEN}, ["pipelined"], TORCH_EAGER),  # group 32, window 128, 4 sinks
+    ({"kv_cache_dtype": "int8"}, ["pipelined"], TORCH_EAGER),
+    ({"kv_cache_dtype": "int4", "kv_quant_window": 128, "kv_quant_sinks": 4, "kv_quant_key_layout": "channel"},
+     ["fast"], TORCH_EAGER),
+    ({"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"}, ["fast"], {"enforce_eager": True}),
+], ids=["int4-token-window", "int8", "int4-channel-keys-window", "int4-channel-keys-graphs-vs-eager"])
+def test_engine_decodes_through_the_quantized_kernels(tmp_path, options, kernels, reference):
     """Through the engine on CUDA (Triton backend, CUDA graphs, the split count taken from the kernel's
     occupancy, a window's extra launch and combine), a bf16 model with head_dim 128 and 4 KV heads
-    decodes over a quantized cache with the pipelined kernel (int4: each warp on its own KV head), and
-    its greedy steps agree with the torch reference backend (eager) on the same format: same tokens
-    with close logprobs, up to a step where the reference's top two are too close to call.
+    decodes over a quantized cache with the pipelined kernel (int4: each warp on its own KV head; int4
+    keys per channel, the default: the store kernel's requantize-on-grow under the graphs and the fast
+    Triton kernel), and its greedy steps agree with the torch reference backend (eager) on the same
+    format: same tokens with close logprobs, up to a step where the reference's top two are too close
+    to call. int4's default (keys per channel, no window) is compared with the same backend run
+    eagerly instead: see below why a cache without a window is not compared across backends here (the
+    kernel tests read the same stored bytes through both).
 
     The two runs quantize their own (bf16, differently rounded) K/V, so a code on a rounding edge may
     differ between them. int4 groups of 64 without a window (every position quantized) differed by
@@ -395,11 +495,11 @@ def test_engine_decodes_through_the_pipelined_kernel(tmp_path, options):
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
     runs = []
     decode_attention_quant._quant_resident_per_sm.clear()     # records each decode kernel launched
-    for extra in ({}, {"attention_backend": "torch", "enforce_eager": True}):
+    for extra in ({}, reference):
         llm = LLM(model=str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_memory=64 << 20, seed=0,
                   **options, **extra)
         runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
-    assert [key[7] for key in decode_attention_quant._quant_resident_per_sm] == ["pipelined"]
+    assert [key[7] for key in decode_attention_quant._quant_resident_per_sm] == kernels
     compared = 0
     for got, want in zip(*runs):
         got, want = got.outputs[0], want.outputs[0]

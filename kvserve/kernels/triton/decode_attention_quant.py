@@ -51,6 +51,11 @@ their exit waits for it (measured: docs/kv_quantization.md#kernels).
 Generic kernel (`_decode_split_quant_generic_kernel`): any head_dim and group, dequantizes each
 tile element by element in fp32 and overlays ring rows; used where the fast one does not apply.
 
+Per-channel int4 keys (FORMAT 4, kvserve.kvstore.formats): a (scale, zero) pair per channel and
+block, not per token, so no scale comes out of the dot; both kernels dequantize each key tile
+(code * scale + zero, the pair rows of each position's block) into the query's dtype and run the
+dots on it. The pipelined kernel does not take them.
+
 Both are CUDA-graph safe like decode_attention.py: context lengths, block tables and sequence rows
 are read on the device only.
 """
@@ -72,7 +77,7 @@ from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO
                                                     INT8_TO_F16_PTX)
 from kvserve.kernels.triton.decode_attention_quant_config import (TL_DTYPES, fast_config, fast_kernel_supported,
                                                                  fast_segments)
-from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
+from kvserve.kernels.triton.kv_store_quant import CHANNEL_FORMAT, format_code
 
 
 
@@ -152,7 +157,7 @@ def _load_chunks(ptr, rows, valid, FORMAT: tl.constexpr, NSEG: tl.constexpr, SEG
     the chunk count repeat the first, unused). Masked positions read 0 (for int4 codes -8: their
     scores become -inf, their probabilities and scales 0; any other fill value would cost a select
     per byte)."""
-    NCHUNK: tl.constexpr = NSEG // 2 if FORMAT == 3 else NSEG
+    NCHUNK: tl.constexpr = NSEG // 2 if FORMAT >= 3 else NSEG
     cols = tl.arange(0, SEG)
     r0 = tl.load(ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
     r1 = r0
@@ -220,6 +225,25 @@ def _key_scores(q0, q1, q2, q3, r0, r1, r2, r3, s0, s1, s2, s3, FORMAT: tl.const
             scores += _key_segment(q2, r2, s2, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
             scores += _key_segment(q3, r3, s3, FORMAT, SCALED, DOT_DTYPE, ASM, PRECISION)
     return scores
+
+
+@triton.jit
+def _key_channel_scores(q_low, q_high, raw, scales_ptr, pair_rows, pair_stride, valid, SEG: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """[GROUP_PAD, TILE] scores of per-channel int4 keys (raw [TILE, head_dim/2] bytes): each half's
+    codes times its block's channel scales plus zeros (pair_rows: each position's block and KV head
+    row of the scales; pair_stride: scale row -> zero row), in DOT_DTYPE, one dot per half."""
+    cols = tl.arange(0, SEG)[None, :]
+    base = scales_ptr + pair_rows[:, None]
+    rows_valid = valid[:, None]
+    s_low = tl.load(base + cols, mask=rows_valid, other=0.0).to(tl.float32)
+    s_high = tl.load(base + SEG + cols, mask=rows_valid, other=0.0).to(tl.float32)
+    z_low = tl.load(base + pair_stride + cols, mask=rows_valid, other=0.0).to(tl.float32)
+    z_high = tl.load(base + pair_stride + SEG + cols, mask=rows_valid, other=0.0).to(tl.float32)
+    k_low = ((raw & 0xF).to(tl.float32) * s_low + z_low).to(DOT_DTYPE)
+    k_high = ((raw >> 4).to(tl.float32) * s_high + z_high).to(DOT_DTYPE)
+    part = tl.dot(q_low, tl.trans(k_low), input_precision=PRECISION)
+    return tl.dot(q_high, tl.trans(k_high), acc=part, input_precision=PRECISION)
 
 
 @triton.jit
@@ -489,8 +513,13 @@ def _decode_split_quant_kernel(
             nvs0, nvs1, nvs2, nvs3 = _segment_scales(v_scales_ptr, vs_rows, ahead < quant_end, V_NSEG, V_SEG, V_GROUP,
                                                      V_SCALED, TILE)
 
-        scores = _key_scores(q0, q1, q2, q3, kr0, kr1, kr2, kr3, ks0, ks1, ks2, ks3, K_FORMAT, K_NSEG, K_SEG,
-                             K_GROUP, HEAD_DIM, K_SCALED, K_DOT, K_ASM, PRECISION)
+        if K_FORMAT == 4:
+            # Per-channel keys: ks_stride_token is the scales' scale-row -> zero-row stride (_part_args).
+            scores = _key_channel_scores(q0, q1, kr0, k_scales_ptr, blocks * ks_stride_block + kv_head * ks_stride_head,
+                                         ks_stride_token, valid, K_SEG, K_DOT, PRECISION)
+        else:
+            scores = _key_scores(q0, q1, q2, q3, kr0, kr1, kr2, kr3, ks0, ks1, ks2, ks3, K_FORMAT, K_NSEG, K_SEG,
+                                 K_GROUP, HEAD_DIM, K_SCALED, K_DOT, K_ASM, PRECISION)
         scores = tl.where(valid[None, :], scores * key_scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp2(running_max - new_max)
@@ -631,6 +660,58 @@ def _load_part(ptr, scales_ptr, static_ptr, ring_ptr, blocks, offsets, positions
         return tl.load(ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0).to(OUT_DTYPE)
     FAST: tl.constexpr = DIM_PAD == HEAD_DIM
     HALF: tl.constexpr = HEAD_DIM // 2
+    if FORMAT == 4:
+        values = _load_channel_part(ptr, scales_ptr, rows, blocks, valid, dims, mask, kv_head, scales_stride_block,
+                                    scales_stride_token, scales_stride_head, HEAD_DIM, OUT_DTYPE, TILE, FAST)
+    else:
+        values = _load_token_part(ptr, scales_ptr, static_ptr, rows, blocks, offsets, valid, dims, dim_mask, mask,
+                                  kv_head, scales_stride_block, scales_stride_token, scales_stride_head, FORMAT, GROUP,
+                                  STATIC, HEAD_DIM, OUT_DTYPE, TILE, FAST)
+    if SINKS + WINDOW > 0:
+        in_ring = positions < SINKS
+        ring_index = positions
+        if WINDOW > 0:
+            in_ring = in_ring | (positions >= context_len - WINDOW)
+            ring_index = tl.where(positions < SINKS, positions, SINKS + positions % WINDOW)
+        in_ring = in_ring & valid
+        ring_rows = (seq_row * (SINKS + WINDOW) + ring_index).to(tl.int64) * ring_stride_token \
+            + kv_head * ring_stride_head
+        exact = tl.load(ring_ptr + ring_rows[:, None] + dims[None, :], mask=in_ring[:, None] & dim_mask[None, :],
+                        other=0.0).to(OUT_DTYPE)
+        values = tl.where(in_ring[:, None], exact, values)
+    return values
+
+
+@triton.jit
+def _load_channel_part(ptr, scales_ptr, rows, blocks, valid, dims, mask, kv_head, scales_stride_block,
+                       scales_stride_pair, scales_stride_head, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                       TILE: tl.constexpr, FAST: tl.constexpr):
+    """Per-channel int4 (codes 0..15): code * scale + zero, the pair of each position's block."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if FAST:
+        halves = tl.arange(0, HALF)
+        byte = tl.load(ptr + rows[:, None] + halves[None, :], mask=valid[:, None], other=0)
+        low = (byte & 0xF).to(tl.float32)
+        high = (byte >> 4).to(tl.float32)
+        codes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (TILE, HEAD_DIM))
+    else:
+        byte = tl.load(ptr + rows[:, None] + (dims % HALF)[None, :], mask=mask, other=0)
+        shift = tl.where(dims >= HALF, 4, 0).to(tl.uint8)
+        codes = ((byte >> shift[None, :]) & 0xF).to(tl.float32)
+    pair_rows = blocks * scales_stride_block + kv_head * scales_stride_head
+    scale = tl.load(scales_ptr + pair_rows[:, None] + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(scales_ptr + pair_rows[:, None] + scales_stride_pair + dims[None, :], mask=mask,
+                   other=0.0).to(tl.float32)
+    return (codes * scale + zero).to(OUT_DTYPE)
+
+
+@triton.jit
+def _load_token_part(ptr, scales_ptr, static_ptr, rows, blocks, offsets, valid, dims, dim_mask, mask, kv_head,
+                     scales_stride_block, scales_stride_token, scales_stride_head, FORMAT: tl.constexpr,
+                     GROUP: tl.constexpr, STATIC: tl.constexpr, HEAD_DIM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     TILE: tl.constexpr, FAST: tl.constexpr):
+    """int8 / e4m3 / int4 with per-token (or static per-channel) scales."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     if FORMAT == 3:
         if FAST:
             halves = tl.arange(0, HALF)
@@ -657,20 +738,7 @@ def _load_part(ptr, scales_ptr, static_ptr, ring_ptr, blocks, offsets, positions
         else:
             scale = tl.load(scales_ptr + scale_rows[:, None] + (dims // GROUP)[None, :], mask=mask,
                             other=0.0).to(tl.float32)
-    values = (codes * scale).to(OUT_DTYPE)
-    if SINKS + WINDOW > 0:
-        in_ring = positions < SINKS
-        ring_index = positions
-        if WINDOW > 0:
-            in_ring = in_ring | (positions >= context_len - WINDOW)
-            ring_index = tl.where(positions < SINKS, positions, SINKS + positions % WINDOW)
-        in_ring = in_ring & valid
-        ring_rows = (seq_row * (SINKS + WINDOW) + ring_index).to(tl.int64) * ring_stride_token \
-            + kv_head * ring_stride_head
-        exact = tl.load(ring_ptr + ring_rows[:, None] + dims[None, :], mask=in_ring[:, None] & dim_mask[None, :],
-                        other=0.0).to(OUT_DTYPE)
-        values = tl.where(in_ring[:, None], exact, values)
-    return values
+    return (codes * scale).to(OUT_DTYPE)
 
 
 @triton.jit(do_not_specialize=SPLIT_DECODE_DYNAMIC_ARGS)
@@ -789,10 +857,14 @@ def _part_args(cache, placeholder: torch.Tensor):
     fmt, head_dim = cache.fmt, cache.head_dim
     scales = cache.scales if cache.scales is not None else placeholder
     scale_strides = cache.scales.stride()[:3] if cache.scales is not None else (0, 0, 0)
+    if fmt.per_channel:
+        # [num_blocks, kv_heads, 2, head_dim]: (block, scale row -> zero row, head) in the kernels'
+        # (block, token, head) stride slots.
+        scale_strides = (cache.scales.stride(0), cache.scales.stride(2), cache.scales.stride(1))
     static = cache.static_scale if cache.static_scale is not None else placeholder
     ring = cache.window if cache.window is not None else placeholder
     return (cache.payload, scales, static, ring, cache.payload.stride()[:3], scale_strides,
-            FORMAT_CODES[fmt.name], fmt.group(head_dim), fmt.static_scales, cache.window is not None)
+            format_code(fmt), fmt.group(head_dim), fmt.static_scales, cache.window is not None)
 
 
 def _part_signature(cache) -> tuple:
@@ -955,12 +1027,14 @@ def paged_decode_attention_quant(query: torch.Tensor, k_cache, v_cache, block_ta
     dim_pad = max(16, next_power_of_2(head_dim))
     precision = "ieee" if (query.dtype == torch.float32 or interpret) else "tf32"
     if fast:
-        k_seg, v_seg = fast_segments(k_cache, head_dim), fast_segments(v_cache, head_dim)
+        k_seg, v_seg = fast_segments(k_cache, head_dim), fast_segments(v_cache, head_dim, keys=False)
         query_dtype = TL_DTYPES[query.dtype]
         wide = tl.float32 if interpret or query.dtype == torch.float32 else tl.float16
 
         def dot_dtype(part_layout):
-            return (tl.float32 if interpret else query_dtype) if part_layout[0] == 0 else wide
+            # Plain parts, and per-channel keys (dequantized in the kernel), dot in the query's dtype.
+            exact = part_layout[0] in (0, CHANNEL_FORMAT)
+            return (tl.float32 if interpret else query_dtype) if exact else wide
 
         k_dot, v_dot = dot_dtype(k_seg), dot_dtype(v_seg)
         prescale = BF16_QUERY_PRESCALE if (k_seg[0] != 0 and k_dot == tl.float16

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from kvserve.kernels.triton._common import interpreting
 from kvserve.kernels.triton.decode_attention import DecodeConfig, default_decode_config
-from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
+from kvserve.kernels.triton.kv_store_quant import CHANNEL_FORMAT, FORMAT_CODES
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -41,12 +41,18 @@ def fast_config(head_dim: int, dtype: torch.dtype, k_cache, v_cache) -> DecodeCo
     return default_quant_decode_config(head_dim, dtype, int4)
 
 
-def fast_segments(cache, head_dim: int):
+def fast_segments(cache, head_dim: int, keys: bool = True):
     """(FORMAT, NSEG, SEG, GROUP, SCALED, STATIC) of a part for the fast kernel, None if it does not
-    fit it (segments of >= 16 power-of-2 columns, at most 4 per head)."""
+    fit it (segments of >= 16 power-of-2 columns, at most 4 per head). Per-channel int4 keys: the
+    two halves of the head (one byte chunk), no per-token scales; keys only (`keys`: the part's side)."""
     if isinstance(cache, torch.Tensor):
         return 0, 1, head_dim, head_dim, False, False
     fmt = cache.fmt
+    if fmt.per_channel:
+        seg = head_dim // 2
+        if seg < 16 or seg & (seg - 1) or not keys:
+            return None
+        return CHANNEL_FORMAT, 2, seg, head_dim, False, False
     width = head_dim // 2 if fmt.name == "int4" else head_dim
     group = fmt.group(head_dim)
     seg = width if fmt.static_scales else min(group, width)
@@ -63,7 +69,7 @@ def fast_kernel_supported(query: torch.Tensor, k_cache, v_cache, config: DecodeC
         return False
     if query.dtype not in TL_DTYPES:
         return False
-    if fast_segments(k_cache, head_dim) is None or fast_segments(v_cache, head_dim) is None:
+    if fast_segments(k_cache, head_dim) is None or fast_segments(v_cache, head_dim, keys=False) is None:
         return False
     quantized = [c for c in (k_cache, v_cache) if not isinstance(c, torch.Tensor)]
     rings = [c for c in quantized if c.window is not None]

@@ -17,7 +17,8 @@ from block ids loaded one iteration earlier still; so no load waits in the itera
 What it covers (`pipelined_supported`): K and V each int8 or fp8-e4m3 with dynamic per-token
 scales, or both int4 with dynamic scales per group of 32-128 elements; with or without a
 full-precision window (both parts alike, where the fast Triton kernel can run its positions);
-head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries.
+head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries. Not per-channel int4 keys
+(kvserve.kvstore.formats: a scale and zero per channel and block): the Triton kernels serve those.
 
 8-bit codes become exact fp16 values by byte permutes under an fp16 exponent (int8) or the packed
 e4m3x2 -> f16x2 conversion (code_conversion.py); key scales multiply the [positions, group] scores,
@@ -645,6 +646,8 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
     parts = (k_cache, v_cache)
     if any(isinstance(part, torch.Tensor) for part in parts):
         return False
+    if any(part.fmt.per_channel for part in parts):
+        return False                            # per-channel int4 keys: the Triton kernels
     num_kv_heads = k_cache.shape[2]
     if head_dim not in (64, 128) or num_heads % num_kv_heads or num_heads // num_kv_heads > HEADS_PER_PROGRAM:
         return False
