@@ -234,10 +234,6 @@ class KVTransfers:
                 stream.synchronize()
 
     # --- completion ---------------------------------------------------------------------------
-    @property
-    def has_pending_tickets(self) -> bool:
-        return any(p.ticket is not None for p in self._pending)
-
     def poll(self, wait: bool = False) -> TransferReport:
         """Tickets landed (or failed) since the last poll, without waiting; with `wait`, first
         waits for the oldest ticketed copy in flight, so a caller with nothing else to do sleeps."""
