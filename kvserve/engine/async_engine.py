@@ -91,7 +91,9 @@ class EngineSnapshot:
                            slo_rejected_at_arrival=lt.rejected_at_arrival + rejected_by_gate,
                            slo_rejected_in_queue=lt.rejected_in_queue, slo_step_cost=lt.step_cost,
                            slo_step_token_budget=lt.step_token_budget)
-        return cls(num_running=sched.num_running, num_waiting=sched.num_waiting, num_blocks=kv.num_blocks,
+        # Loading requests (KV on its way from a tier) wait to run too.
+        return cls(num_running=sched.num_running, num_waiting=sched.num_waiting + sched.num_loading,
+                   num_blocks=kv.num_blocks,
                    num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, capacity_tokens=kv.capacity_tokens,
                    prompt_tokens_total=stats.prompt_tokens_total, generation_tokens_total=stats.generation_tokens_total,
                    num_preemptions_total=sched.num_preemptions_total, num_steps_total=num_steps,

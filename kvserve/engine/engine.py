@@ -200,7 +200,9 @@ class Engine:
         if not requested:
             return None
         if not prefix_caching:
-            logger.warning("the host KV tier is off: it keeps blocks the prefix cache evicts, and prefix caching is off")
+            if cache_cfg.kv_host_memory is not None:     # asked for, not the default
+                logger.warning("the host KV tier is off: it keeps blocks the prefix cache evicts, and prefix "
+                               "caching is off")
             return None
         if available is not None and requested > available:
             raise ValueError(f"kv_host_memory of {requested} bytes exceeds the host memory available "
@@ -220,7 +222,8 @@ class Engine:
                              f"{exc}") from None
         logger.info("host KV tier: %d blocks x %d tokens = %d tokens (%.2f GiB%s)", num_blocks, cache_cfg.block_size,
                     num_blocks * cache_cfg.block_size, store.nbytes / 2**30,
-                    ", the default: --kv-host-memory sets it, 0 turns it off" if cache_cfg.kv_host_memory is None else "")
+                    ", the default: --kv-host-memory sets it, 0 turns it off"
+                    if cache_cfg.kv_host_memory is None else "")
         return store
 
     def _build_prefix_cache(self, num_blocks: int) -> Optional[PrefixCache]:

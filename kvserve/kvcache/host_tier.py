@@ -76,10 +76,9 @@ class HostTier:
     def _take_block(self) -> Optional[int]:
         if self._free:
             return self._free.pop()
-        for block_hash, block in self._by_hash.items():
+        for block in self._by_hash.values():
             if block.host_id not in self._reading:
-                del self._by_hash[block_hash]
-                del self._hash_of[block.host_id]
+                self._unindex(block.host_id)
                 self.blocks_evicted += 1
                 return block.host_id
         return None
@@ -115,26 +114,28 @@ class HostTier:
         """These host blocks do not hold what the index says (their write-back was dropped or
         failed, or a load from them failed): they leave the index and become free."""
         for host_id in host_ids:
-            block_hash = self._hash_of.pop(host_id, None)
-            if block_hash is not None:
-                del self._by_hash[block_hash]
+            if self._unindex(host_id):
                 self._free.append(host_id)
+
+    def _unindex(self, host_id: int) -> bool:
+        """Drops the cached block a host block holds from the index; False if it held none."""
+        block_hash = self._hash_of.pop(host_id, None)
+        if block_hash is None:
+            return False
+        del self._by_hash[block_hash]
+        return True
 
     def set_capacity(self, target: int, granule: int) -> int:
         """Uses blocks [0, capacity) only, `capacity` the smallest multiple of `granule` (a store
         segment) >= target that keeps every block a swap or this step's loads hold; cached blocks
-        above it leave the index (the coldest lose nothing they cannot recompute). Returns it."""
+        above it leave the index, whatever their recency (a later hit recomputes them). Returns it."""
         free = set(self._free)
         # Held by swapped-out requests (neither free nor indexed), or read by this step's loads.
         busy = [host_id for host_id in range(target, self.capacity)
                 if host_id in self._reading or (host_id not in self._hash_of and host_id not in free)]
         capacity = min(self.num_blocks, -(-max([target] + [host_id + 1 for host_id in busy]) // granule) * granule)
         if capacity < self.capacity:
-            for host_id in range(capacity, self.capacity):
-                block_hash = self._hash_of.pop(host_id, None)
-                if block_hash is not None:
-                    del self._by_hash[block_hash]
-                    self.blocks_released += 1
+            self.blocks_released += sum(self._unindex(host_id) for host_id in range(capacity, self.capacity))
             self._free = [host_id for host_id in self._free if host_id < capacity]
         else:
             self._free.extend(range(capacity - 1, self.capacity - 1, -1))

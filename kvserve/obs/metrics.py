@@ -122,7 +122,8 @@ class _EngineStateCollector:
             return family
 
         yield gauge("num_requests_running", "Requests in the running batch.", snap.num_running)
-        yield gauge("num_requests_waiting", "Requests queued or preempted, waiting to run.", snap.num_waiting)
+        yield gauge("num_requests_waiting", "Requests queued, preempted, or loading their KV from a tier: "
+                    "waiting to run.", snap.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", snap.kv_usage)
         yield gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", snap.num_blocks)
         yield gauge("kv_cache_blocks_used", "KV cache blocks held by requests.", snap.num_used_blocks)
@@ -159,8 +160,8 @@ class _EngineStateCollector:
                 buckets.append(("+Inf", transfers.loads))
                 loads.add_metric(values, buckets, transfers.load_seconds)
                 yield loads
-                yield counter("kv_host_copy_failures", "Copies to or from the host tier that failed (a load recomputes, "
-                              "a write-back is forgotten); loads among them recomputed.",
+                yield counter("kv_host_copy_failures", "Copies to or from the host tier that failed (a load "
+                              "or swap recomputes its request, a write-back is forgotten).",
                               transfers.copy_failures)
             swaps = CounterMetricFamily(f"{NAMESPACE}:kv_host_swaps", "Swap preemption: requests whose KV went to "
                                         "the host tier (out), came back (in), or recomputed for lack of room (failed).",

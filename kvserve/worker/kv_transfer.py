@@ -111,9 +111,9 @@ class KVTransfers:
     def _issue_logged(self, copy: BlockCopy) -> None:
         """Issues a copy; a copy that fails at run time (a CUDA or allocation error) is logged,
         counted and reported lost. A copy naming an unknown store is a bug and raises."""
-        self._store(copy.source), self._store(copy.destination)
+        source, destination = self._store(copy.source), self._store(copy.destination)
         try:
-            self._issue(copy)
+            self._issue(copy, source, destination)
         except RuntimeError:
             logger.exception("KV block copy %s -> %s (%s, %d blocks) failed", copy.source, copy.destination,
                              copy.purpose, len(copy.src_block_ids))
@@ -126,8 +126,7 @@ class KVTransfers:
         elif copy.destination != DEVICE_STORE:
             self._report.lost_host_blocks.extend(copy.dst_block_ids)
 
-    def _issue(self, copy: BlockCopy) -> None:
-        source, destination = (self._store(name) for name in (copy.source, copy.destination))
+    def _issue(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore) -> None:
         nbytes = len(copy.src_block_ids) * source.block_nbytes
         if copy.purpose == WRITE_BACK and self._write_backs_in_flight() + nbytes > self.max_write_back_bytes:
             self.write_backs_dropped += 1
@@ -237,6 +236,8 @@ class KVTransfers:
     def poll(self, wait: bool = False) -> TransferReport:
         """Tickets landed (or failed) since the last poll, without waiting; with `wait`, first
         waits for the oldest ticketed copy in flight, so a caller with nothing else to do sleeps."""
+        if not self._pending and not self._report:
+            return TransferReport()          # nothing issued since the last poll (no tier: every step)
         if wait:
             oldest = next((p for p in self._pending if p.ticket is not None and p.done is not None), None)
             if oldest is not None:

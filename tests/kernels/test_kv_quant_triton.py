@@ -195,13 +195,9 @@ def _implementations(query, k_cache, v_cache):
             + (["fast"] if fast_kernel_supported(query, k_cache, v_cache) else []) + ["generic"])
 
 
-@pytest.mark.parametrize("options", DECODE_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_dequant_decode_matches_reference(options, shape, dtype):
-    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
-    torch.manual_seed(1)
-    heads, kv_heads, head_dim = shape
+def _decode_case(options: dict, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """Four sequences (one empty) over filled quantized caches, a query and the reference output:
+    (spec, query, k_cache, v_cache, tables, lens, rows, want)."""
     block_size, num_blocks, num_rows = 16, 64, 4
     spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, **options)
     lens = torch.tensor([300, 17, 0, 150] if not INTERPRET else [70, 17, 0, 40])
@@ -212,6 +208,17 @@ def test_fused_dequant_decode_matches_reference(options, shape, dtype):
     tables, lens, rows = tables.to(DEVICE), lens.to(DEVICE), rows.to(DEVICE)
     want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
                                                   rows if spec.needs_rows else None)
+    return spec, query, k_cache, v_cache, tables, lens, rows, want
+
+
+@pytest.mark.parametrize("options", DECODE_CASES, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_dequant_decode_matches_reference(options, shape, dtype):
+    from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = shape
+    spec, query, k_cache, v_cache, tables, lens, rows, want = _decode_case(options, heads, kv_heads, head_dim, dtype)
     atol, rtol = TOL[dtype]
     implementations = _implementations(query, k_cache, v_cache)
     group = options.get("kv_quant_group_size")
@@ -241,16 +248,7 @@ def test_fast_decode_kernel_launch_variants(options, tile, staging, ids_ahead):
     torch.manual_seed(5)
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     heads, kv_heads, head_dim = SHAPES[-1]
-    block_size, num_blocks, num_rows = 16, 64, 4
-    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, **options)
-    lens = torch.tensor([300, 17, 0, 150] if not INTERPRET else [70, 17, 0, 40])
-    tables = torch.stack([torch.randperm(num_blocks)[:20] for _ in range(4)])
-    rows = torch.tensor([2, 0, 1, 3])
-    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_rows)
-    query = torch.randn(4, heads, head_dim).to(dtype).to(DEVICE)
-    tables, lens, rows = tables.to(DEVICE), lens.to(DEVICE), rows.to(DEVICE)
-    want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5,
-                                                  rows if spec.needs_rows else None)
+    spec, query, k_cache, v_cache, tables, lens, rows, want = _decode_case(options, heads, kv_heads, head_dim, dtype)
     config = replace(default_quant_decode_config(head_dim, dtype), tile=tile if not INTERPRET else tile // 2,
                      num_warps=8 if tile == 128 and not INTERPRET and not ids_ahead else 4, ids_ahead=ids_ahead)
     for num_splits in (1, 3):
