@@ -209,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench,
                 "calibrate": _cmd_calibrate, "eval-kv": _cmd_eval_kv}
     if args.command == "serve":
-        from kvserve.server.app import run_server
+        from kvserve.server.launcher import run_server
         handlers["serve"] = run_server
     from kvserve.model.loader import ModelLoadError
     try:

@@ -24,98 +24,20 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from kvserve.engine.client import (EngineShutdownError, EngineSnapshot, EngineStepError, FinishedRequest,
+                                   RequestStream, ServedModel)
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
-from kvserve.stats import EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats, StepCoefficients, TransferStats
+from kvserve.stats import EngineStats
+
+__all__ = ["AsyncEngine", "ArrivalGate", "EngineShutdownError", "EngineSnapshot", "EngineStepError",
+           "FinishedRequest", "RequestStream", "served_model_of"]
 
 logger = logging.getLogger("kvserve.async_engine")
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine stopped (or is stopping) before this request could finish."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step failed while this request was in the engine; the request was aborted."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges and totals, copied on the engine thread after each loop iteration."""
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_usage: float = 0.0
-    capacity_tokens: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_preemptions_total: int = 0
-    num_steps_total: int = 0
-    num_step_errors_total: int = 0
-    requests_finished_total: dict[str, int] = field(default_factory=dict)
-    # Latency targets (None without --slo-ttft / --slo-tpot): the running limit they set, the smoothed
-    # step time it is held by, and requests shed at arrival / in the queue.
-    slo_max_running: Optional[int] = None
-    slo_step_time_s: Optional[float] = None
-    slo_rejected_at_arrival: int = 0
-    slo_rejected_in_queue: int = 0
-    # The step-cost model's coefficients (seconds: fixed, per token, per sequence) and the token cap
-    # of the next step they give: what the shedding predictions and the step length rest on.
-    slo_step_cost: Optional[StepCoefficients] = None
-    slo_step_token_budget: Optional[int] = None
-    # The prefix cache's and the MoE expert load's stats as the engine made them (None: not there).
-    prefix_cache: Optional[PrefixCacheStats] = None
-    expert_load: Optional[ExpertLoadStats] = None
-    kv_host: Optional[HostTierStats] = None          # the host KV tier (None: off)
-    kv_transfers: Optional[TransferStats] = None     # its copies (None: no host tier)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @classmethod
-    def from_stats(cls, stats: EngineStats, num_steps: int, num_step_errors: int,
-                   rejected_by_gate: int) -> "EngineSnapshot":
-        """The snapshot of an engine's stats, with this thread's own counters (steps, step errors,
-        requests the arrival gate shed) added."""
-        sched, kv = stats.scheduler, stats.kv_cache
-        latency = {}
-        if sched.latency is not None:
-            lt = sched.latency
-            latency = dict(slo_max_running=lt.max_running, slo_step_time_s=lt.step_time_s,
-                           slo_rejected_at_arrival=lt.rejected_at_arrival + rejected_by_gate,
-                           slo_rejected_in_queue=lt.rejected_in_queue, slo_step_cost=lt.step_cost,
-                           slo_step_token_budget=lt.step_token_budget)
-        # Loading requests (KV on its way from a tier) wait to run too.
-        return cls(num_running=sched.num_running, num_waiting=sched.num_waiting + sched.num_loading,
-                   num_blocks=kv.num_blocks,
-                   num_free_blocks=kv.num_free_blocks, kv_usage=kv.usage, capacity_tokens=kv.capacity_tokens,
-                   prompt_tokens_total=stats.prompt_tokens_total, generation_tokens_total=stats.generation_tokens_total,
-                   num_preemptions_total=sched.num_preemptions_total, num_steps_total=num_steps,
-                   num_step_errors_total=num_step_errors, requests_finished_total=dict(stats.requests_finished_total),
-                   prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
-                   kv_transfers=kv.transfers, **latency)
-
-
-@dataclass
-class FinishedRequest:
-    """What a metrics hook learns about a request when it leaves the engine."""
-    request_id: str
-    finish_reason: str                 # stop / length / abort / rejected / error
-    arrival_time: float                # time.monotonic() when AsyncEngine.add_request was called
-    first_scheduled_time: Optional[float]
-    first_token_time: Optional[float]
-    finished_time: float
-    num_prompt_tokens: int
-    num_generation_tokens: int         # summed over the request's n samples
-    max_sample_tokens: int             # tokens of its longest sample (for time per output token)
-    tenant: Optional[str] = None
-    priority: int = 0
 
 
 @dataclass
@@ -127,58 +49,6 @@ class _Record:
     tenant: Optional[str]
     priority: int
     last_output: Optional[RequestOutput] = None
-
-
-class RequestStream:
-    """Async iterator over the outputs of one or more requests (e.g. a multi-prompt completion).
-
-    Outputs are cumulative, so when the consumer falls behind only the newest output of each
-    request is kept (`__anext__` drains what has arrived and coalesces by request id). Iteration
-    ends once every request added to the stream has finished; an engine-side failure is raised
-    from `__anext__`.
-    """
-
-    def __init__(self, engine: "AsyncEngine") -> None:
-        self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._ready: dict[str, RequestOutput] = {}
-        self._pending: set[str] = set()
-        self._finished: set[str] = set()
-
-    @property
-    def finished(self) -> bool:
-        return not self._pending and not self._ready
-
-    def _take(self, item: tuple[str, Any]) -> None:
-        request_id, payload = item
-        if isinstance(payload, BaseException):
-            raise payload
-        self._ready.pop(request_id, None)   # re-insert so the dict keeps arrival order
-        self._ready[request_id] = payload
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self._ready:
-            if not self._pending:
-                raise StopAsyncIteration
-            self._take(await self._queue.get())
-        while not self._queue.empty():
-            self._take(self._queue.get_nowait())
-        request_id = next(iter(self._ready))
-        output = self._ready.pop(request_id)
-        if output.finished:
-            self._pending.discard(request_id)
-            self._finished.add(request_id)
-        return output
-
-    def abort(self) -> None:
-        """Aborts the stream's unfinished requests (their KV blocks are freed on the engine thread)."""
-        for request_id in list(self._pending):
-            self._engine.abort(request_id)
-        self._pending.clear()
-        self._ready.clear()
 
 
 class ArrivalGate:
@@ -224,12 +94,26 @@ class ArrivalGate:
             self._load = load
 
 
+def served_model_of(engine: Any) -> ServedModel:
+    """The facts of an Engine the HTTP side checks requests against."""
+    model_config, scheduler_config = engine.config.model_config, engine.config.scheduler_config
+    return ServedModel(model=model_config.model, load_format=model_config.load_format,
+                       source_path=str(engine.source.path), max_model_len=int(engine.max_model_len),
+                       vocab_size=int(engine.model.config.vocab_size),
+                       max_num_seqs=int(scheduler_config.max_num_seqs),
+                       capacity_tokens=int(engine.kv_manager.capacity_tokens),
+                       slo_ttft_s=scheduler_config.slo_ttft, slo_tpot_s=scheduler_config.slo_tpot)
+
+
 class AsyncEngine:
-    """Runs `engine.step()` on a background thread; add/abort from the asyncio loop."""
+    """Runs `engine.step()` on a background thread; add/abort from the asyncio loop (an
+    EngineClient, kvserve/engine/client.py)."""
 
     def __init__(self, engine: Any, *,
                  on_request_finished: Optional[Callable[[FinishedRequest], None]] = None) -> None:
         self.engine = engine
+        self.served = served_model_of(engine)
+        self.tokenizer = engine.tokenizer
         self.on_request_finished = on_request_finished
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
@@ -336,6 +220,17 @@ class AsyncEngine:
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("call", fn, done))
         return await asyncio.wrap_future(done)
+
+    async def pin_prefix(self, token_ids: list[int], ttl_s: float, tenant: Optional[str],
+                         cache_salt: Optional[str], num_tokens: Optional[int]) -> dict[str, Any]:
+        return await self.call(lambda engine: engine.pin_prefix({"prompt_token_ids": token_ids}, ttl_s, tenant=tenant,
+                                                                cache_salt=cache_salt, num_tokens=num_tokens).as_dict())
+
+    async def unpin_prefix(self, pin_id: int, tenant: Optional[str]) -> bool:
+        return await self.call(lambda engine: engine.unpin_prefix(pin_id, tenant=tenant))
+
+    async def list_pins(self, tenant: Optional[str]) -> list[dict[str, Any]]:
+        return await self.call(lambda engine: [pin.as_dict() for pin in engine.prefix.pins(tenant)])
 
     def _submit(self, command: tuple) -> None:
         with self._cond:

@@ -75,7 +75,10 @@ def freeze_startup_objects() -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only (text ""), and stop strings are left to
+        whoever reads them: the engine core process, whose front ends detokenize (docs/server.md)."""
+        self.detokenize = detokenize
         self.device = resolve_device(config.model_config.device)
         self.config = config = config.resolved_for(self.device.type)
         model_cfg, cache_cfg = config.model_config, config.cache_config
@@ -323,7 +326,8 @@ class Engine:
             child.set_cache_namespace(namespace)
             children.append(child)
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
-                                         params.include_stop_str_in_output) if self.tokenizer is not None else None
+                                         params.include_stop_str_in_output)
+                  if self.tokenizer is not None and self.detokenize else None
                   for _ in children]
         group = _Group(request_id, prompt_text, list(prompt_ids), children, detoks)
         for child in children:
@@ -347,6 +351,24 @@ class Engine:
             self.scheduler.abort(child.request_id)
             self._child_to_group.pop(child.request_id, None)
         self._count_finished("abort", len(group.children))
+        return True
+
+    def finish_sample(self, request_id: str, index: int, stop_reason: str) -> bool:
+        """Ends sample `index` of a request as stopped by `stop_reason` (a stop string its reader
+        found in the text) and frees its blocks; the request leaves once all its samples have
+        ended. Returns whether the request has left (an unknown one has)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return True
+        if 0 <= index < len(group.children) and not group.children[index].is_finished:
+            group.children[index].stop_reason = stop_reason
+            self.scheduler.finish(group.children[index], RequestStatus.FINISHED_STOPPED)
+        if not all(c.is_finished for c in group.children):
+            return False
+        del self._groups[request_id]
+        for c in group.children:
+            self._child_to_group.pop(c.request_id, None)
+            self._count_finished(c.finish_reason or "abort", 1)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -1,4 +1,4 @@
-"""The FastAPI app of `kvserve serve`: routes, API-key auth, lifespan, and `run_server(args)`.
+"""The FastAPI app of `kvserve serve` (one per front end): routes, API-key auth, lifespan.
 
 Request bodies are read here, not by FastAPI, so every failure has its own message: a body not
 labelled `Content-Type: application/json` is refused (415), an oversized body is refused from its
@@ -18,7 +18,6 @@ configured.
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
@@ -33,10 +32,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 import kvserve
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.client import EngineClient, ServedModel
 from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.sched.slo import SLOTargets
-from kvserve.server.config import ServerConfig, server_config_from_args
+from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, echo, format_validation_errors, install_error_handlers
 from kvserve.server.protocol import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      PrefixPinRequest, PrefixUnpinRequest, TokenizeRequest)
@@ -45,7 +44,6 @@ from kvserve.server.serving_chat import OpenAIServingChat
 from kvserve.server.serving_completions import OpenAIServingCompletion
 from kvserve.server.serving_pins import OpenAIServingPins
 from kvserve.server.serving_tokenize import OpenAIServingTokenization
-from kvserve.stats import LatencyTargetStats
 
 logger = logging.getLogger("kvserve.server")
 
@@ -148,20 +146,19 @@ async def read_body(request: Request, model: type[BaseModel], max_bytes: int) ->
         raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
 
 
-def build_app(async_engine: AsyncEngine, config: Optional[ServerConfig] = None,
-              model_names: Optional[list[str]] = None) -> FastAPI:
-    """The app around an (unstarted) AsyncEngine; its lifespan starts and stops the engine thread."""
+def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
+              model_names: Optional[list[str]] = None, metrics_dir: Optional[str] = None) -> FastAPI:
+    """The app around an (unstarted) engine client; its lifespan starts and stops it. metrics_dir:
+    where the front ends of one server sum their request metrics (several front ends only)."""
     config = config or ServerConfig()
     config.validate()
-    engine = async_engine.engine
+    served = async_engine.served
     if model_names is None:
-        model_names = [config.served_model_name or default_model_name(engine.config.model_config.model,
-                                                                      engine.source.path)]
+        model_names = [config.served_model_name or default_model_name(served.model, served.source_path)]
     api_keys = config.load_api_keys()
-    # Metrics read the snapshot the engine thread republishes (made from Engine.make_stats()); the
-    # latency targets come from the engine's own stats, asked here before its thread starts.
-    latency = engine.make_stats().scheduler.latency
-    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0], slo=_slo_targets(latency))
+    # Metrics read the snapshot the engine side republishes (made from Engine.make_stats()).
+    metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0], slo=_slo_targets(served),
+                            multiprocess_dir=metrics_dir)
     async_engine.on_request_finished = metrics.observe_finished
     serving = ServingContext(async_engine, config, model_names)
     completions_api = OpenAIServingCompletion(serving)
@@ -319,29 +316,8 @@ def _host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """`kvserve serve`: builds the engine (failing fast on a bad model), then serves until signalled."""
-    import uvicorn
-
-    from kvserve.config import engine_options_from_args
-    from kvserve.engine.engine import Engine, freeze_startup_objects
-
-    config = server_config_from_args(args)
-    config.load_api_keys()   # a bad keys file is an error before the model loads
-    engine = Engine.from_options(**engine_options_from_args(args))
-    freeze_startup_objects()
-    app = build_app(AsyncEngine(engine), config)
-    log_level = args.log_level      # the global --log-level (kvserve/cli.py) sets uvicorn's too
-    print(f"kvserve: serving {app.state.serving.model_name} on http://{config.host}:{config.port} "
-          f"(KV cache {engine.kv_manager.capacity_tokens} tokens, max_model_len {engine.max_model_len})",
-          flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, access_log=config.access_log,
-                timeout_graceful_shutdown=config.shutdown_timeout, timeout_keep_alive=30)
-    return 0
-
-
-def _slo_targets(latency: Optional[LatencyTargetStats]) -> Optional[SLOTargets]:
+def _slo_targets(served: ServedModel) -> Optional[SLOTargets]:
     """The targets the scheduler keeps (None without any): metrics judge requests by the same ones."""
-    if latency is None:
+    if served.slo_ttft_s is None and served.slo_tpot_s is None:
         return None
-    return SLOTargets(ttft_s=latency.ttft_target_s, tpot_s=latency.tpot_target_s)
+    return SLOTargets(ttft_s=served.slo_ttft_s, tpot_s=served.slo_tpot_s)

@@ -40,11 +40,13 @@ class ServerConfig:
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown before "
                                          "they are aborted with an error")
     access_log: bool = _opt(False, "log every HTTP request (uvicorn access log)")
+    api_server_count: int = _opt(1, "HTTP front-end processes on the one port (SO_REUSEPORT), all talking to "
+                                    "the one engine core process")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_request_bytes", "max_n", "max_prompts_per_request"):
+        for name in ("max_request_bytes", "max_n", "max_prompts_per_request", "api_server_count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:

@@ -25,12 +25,12 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Request
 from jinja2.exceptions import TemplateError
 
-from kvserve.engine.async_engine import AsyncEngine, EngineShutdownError, EngineStepError, RequestStream
+from kvserve.engine.client import EngineClient, EngineDeadError, EngineShutdownError, EngineStepError, RequestStream
 from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -100,18 +100,18 @@ class UsageCounter:
 class ServingContext:
     """Shared by every endpoint family: built once per app (app.state.serving)."""
 
-    def __init__(self, async_engine: AsyncEngine, config: ServerConfig, model_names: list[str]) -> None:
-        engine = async_engine.engine
+    def __init__(self, async_engine: EngineClient, config: ServerConfig, model_names: list[str]) -> None:
+        served = async_engine.served
         self.async_engine = async_engine
         self.config = config
         self.model_names = model_names
-        # Read once: these never change after the engine is built, so the HTTP side may use them.
-        self.tokenizer = engine.tokenizer
+        # These never change after the engine is built, so the HTTP side reads them once.
+        self.tokenizer = async_engine.tokenizer
         self.chat_template = ChatTemplate(self.tokenizer)      # the renderer LLM.chat uses too
-        self.max_model_len = int(engine.max_model_len)
-        self.vocab_size = int(engine.model.config.vocab_size)
-        self.max_num_seqs = int(engine.config.scheduler_config.max_num_seqs)
-        self.slo_ttft = engine.config.scheduler_config.slo_ttft
+        self.max_model_len = served.max_model_len
+        self.vocab_size = served.vocab_size
+        self.max_num_seqs = served.max_num_seqs
+        self.slo_ttft = served.slo_ttft_s
         self.created = int(time.time())
         # One worker: tokenizers are used by one HTTP-side thread at a time; long prompts and
         # chat templates never stall the event loop.
@@ -335,6 +335,9 @@ class OpenAIServing:
         except EngineShutdownError as exc:
             stream.abort()
             raise APIError(503, str(exc), code="server_shutting_down") from None
+        except EngineDeadError as exc:
+            stream.abort()
+            raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
         except RequestOverloaded as exc:
             stream.abort()
             raise APIError(503, str(exc), code="overloaded") from None
@@ -367,6 +370,8 @@ class OpenAIServing:
         except (EngineStepError, EngineShutdownError) as exc:
             status = 503 if isinstance(exc, EngineShutdownError) else 500
             raise APIError(status, str(exc), type="server_error") from None
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc), type="server_error", code="engine_dead") from None
         except RequestOverloaded as exc:
             raise APIError(503, str(exc), code="overloaded") from None
         finally:
@@ -377,12 +382,14 @@ class OpenAIServing:
                 stream.abort()
         return finals
 
-    async def _call_engine(self, fn: Callable[[Any], Any]) -> Any:
-        """fn(engine) on the engine thread; a stopping engine is a 503."""
+    async def _call_engine(self, call: Awaitable[Any]) -> Any:
+        """Awaits an engine-side call (a pin, a pin list); a stopping or dead engine is a 503."""
         try:
-            return await self.async_engine.call(fn)
+            return await call
         except EngineShutdownError as exc:
             raise APIError(503, str(exc), code="server_shutting_down") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
 
 
 def _template_message(message: ChatMessage) -> dict[str, str]:
@@ -434,6 +441,9 @@ async def guarded(chunks: AsyncIterator[str], stream: RequestStream) -> AsyncIte
             yield chunk
     except (EngineStepError, EngineShutdownError) as exc:
         yield sse(error_body(str(exc), "server_error", None, None))
+        yield SSE_DONE
+    except EngineDeadError as exc:
+        yield sse(error_body(str(exc), "server_error", None, "engine_dead"))
         yield SSE_DONE
     except RequestOverloaded as exc:
         yield sse(APIError(503, str(exc), code="overloaded").body())

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 
-from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.client import RequestStream
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request

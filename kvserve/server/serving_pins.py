@@ -1,5 +1,5 @@
 """/v1/prefix/pin, /v1/prefix/unpin, /v1/prefix/pins: a tenant's pins in the prefix cache
-(docs/prefix_caching.md). Each runs on the engine thread through AsyncEngine.call."""
+(docs/prefix_caching.md). Each runs on the engine side, between steps."""
 
 from __future__ import annotations
 
@@ -27,22 +27,20 @@ class OpenAIServingPins(OpenAIServing):
             self._check_token_ids(req.prompt, "prompt token ids", "prompt")
             ids = list(req.prompt)
 
-        def pin(engine: Any) -> dict[str, Any]:
-            return engine.pin_prefix({"prompt_token_ids": ids}, req.ttl, tenant=tenant, cache_salt=req.cache_salt,
-                                     num_tokens=req.num_tokens).as_dict()
         try:
-            return await self._call_engine(pin)
+            return await self._call_engine(self.async_engine.pin_prefix(ids, req.ttl, tenant, req.cache_salt,
+                                                                        req.num_tokens))
         except ValueError as exc:
             raise from_value_error(exc, "prompt") from None
 
     async def unpin_prefix(self, req: PrefixUnpinRequest, tenant: Optional[str]) -> dict[str, Any]:
         tenant = self.resolve_tenant(tenant, req.tenant)
-        removed = await self._call_engine(lambda engine: engine.unpin_prefix(req.id, tenant=tenant))
+        removed = await self._call_engine(self.async_engine.unpin_prefix(req.id, tenant))
         if not removed:
             raise APIError(404, f"no pin {echo(req.id)} of this tenant", param="id", code="pin_not_found")
         return {"id": req.id, "object": "prefix_pin", "deleted": True}
 
     async def list_pins(self, tenant: Optional[str], requested: Optional[str]) -> dict[str, Any]:
         tenant = self.resolve_tenant(tenant, requested)
-        pins = await self._call_engine(lambda engine: [p.as_dict() for p in engine.prefix.pins(tenant)])
+        pins = await self._call_engine(self.async_engine.list_pins(tenant))
         return {"object": "list", "data": pins}
