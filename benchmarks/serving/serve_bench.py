@@ -7,6 +7,12 @@ drawn uniformly from [--min-tokens, --max-tokens]. Per request it records time t
 output-token throughput, TTFT/TPOT p50/p99, and goodput: requests meeting the SLO (TTFT <= --slo-ttft
 and TPOT <= --slo-tpot) per second of the whole run (first send to last completion).
 
+The client must not be the bottleneck: per rate it reports its own CPU time (user+system seconds of each
+client process over the run, and that over the run's wall time: 1.0 is one core busy) and how late the
+requests left against their planned send times. A client process near one core delays sends and reads
+and inflates TTFT; `--client-processes N` deals each rate's arrivals (the same seeded ones) round-robin
+to N processes that send at the same absolute times.
+
 Usage (starts its own server with the given engine flags, then stops it):
     python benchmarks/serving/serve_bench.py --rates 1,2,4 --duration 30 \\
         --json benchmarks/results/serving/cpu_poisson.json -- --kv-cache-memory 1GiB
@@ -18,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import math
+import multiprocessing
 import os
 import platform
+import queue
 import random
 import shlex
 import signal
@@ -34,9 +44,28 @@ from typing import Any, Optional
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
 
-from kvserve.eval.timing import now, percentile  # noqa: E402
+
+def _load_timing() -> Any:
+    """kvserve/eval/timing.py loaded by its path: importing the kvserve package pulls in torch, which
+    every spawned client process (--client-processes) would then import for nothing (seconds each)."""
+    spec = importlib.util.spec_from_file_location("_kvserve_eval_timing",
+                                                  os.path.join(ROOT, "kvserve", "eval", "timing.py"))
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+_timing = _load_timing()
+now, percentile = _timing.now, _timing.percentile
+
+# A client process busier than this fraction of one core is likely what limits the run.
+CLIENT_CPU_WARN = 0.8
 
 # Short instructions in the style of chat benchmarks; the model answers at its own length, capped by
 # max_tokens (so outputs end at EOS or at the cap, as with real traffic).
@@ -95,6 +124,35 @@ class RatePoint:
     server_preemptions: Optional[float] = None
     num_rejected_overloaded: int = 0     # HTTP 503 / in-stream "overloaded" (server --slo-shed)
     errors: list[str] = field(default_factory=list)
+    # The client's own cost, to show it is not the bottleneck: user+system CPU seconds of the client
+    # process(es) from the first planned send to their last completion, summed; the largest share of one
+    # core any of them used (cpu s / its wall s); and how late requests left against their plan.
+    client_processes: int = 1
+    client_cpu_s: Optional[float] = None
+    client_cpu_util: Optional[float] = None
+    client_cpu_s_per_process: list[float] = field(default_factory=list)
+    client_cpu_util_per_process: list[float] = field(default_factory=list)
+    send_lag_p99_s: Optional[float] = None
+    send_lag_max_s: Optional[float] = None
+
+
+@dataclass
+class ClientShare:
+    """What one client process sent and what it cost: its results in the order of its share of the plan,
+    its CPU seconds and its wall seconds, both from the common start to its last completion."""
+    results: list[RequestResult]
+    cpu_s: float
+    wall_s: float
+
+    def to_plain(self) -> dict[str, Any]:
+        # Crosses the process boundary as dicts and floats: a dataclass pickles by its module's name,
+        # which differs with how the module was loaded (__main__, __mp_main__ in a spawned child, or
+        # serve_bench when a test imports it); plain data unpickles whatever the parent calls it.
+        return {"results": [asdict(r) for r in self.results], "cpu_s": self.cpu_s, "wall_s": self.wall_s}
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> "ClientShare":
+        return cls([RequestResult(**r) for r in plain["results"]], plain["cpu_s"], plain["wall_s"])
 
 
 def make_requests(rate: float, duration: float, min_tokens: int, max_tokens: int,
@@ -180,23 +238,125 @@ async def scrape_metric(client: httpx.AsyncClient, url: str, name: str) -> Optio
     return total
 
 
+async def send_plan(client: httpx.AsyncClient, url: str, model: str,
+                    plan: list[tuple[float, str | list[int], int]], headers: dict[str, str],
+                    start: float) -> ClientShare:
+    """Sends each request of `plan` at `start` (a now() time, maybe still ahead) plus its offset, open loop,
+    and waits for all of them; CPU time is counted from the start, not over the wait for it."""
+    if start > now():
+        await asyncio.sleep(start - now())
+    cpu_before = time.process_time()
+    tasks = []
+    for offset, prompt, max_tokens in plan:
+        delay = offset - (now() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, start, headers)))
+    results = await asyncio.gather(*tasks)
+    return ClientShare(list(results), time.process_time() - cpu_before, now() - start)
+
+
+def _client_limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+
+async def _worker_send(index: int, plan: list[tuple[float, str | list[int], int]], url: str, model: str,
+                       headers: dict[str, str], request_timeout: float, ready, starts) -> ClientShare:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout), limits=_client_limits()) as client:
+        ready.put(index)
+        start_wall = await asyncio.to_thread(starts.get)
+        # The parent's start is a time.time() value: wall clocks agree across processes on any OS,
+        # and reading both clocks back to back turns it into this process's now() to within microseconds.
+        start = now() + (start_wall - time.time())
+        return await send_plan(client, url, model, plan, headers, start)
+
+
+def client_worker(index: int, plan: list[tuple[float, str | list[int], int]], url: str, model: str,
+                  headers: dict[str, str], request_timeout: float, ready, starts, done) -> None:
+    """A spawned client process: its own event loop and HTTP client, its share of the plan."""
+    share = asyncio.run(_worker_send(index, plan, url, model, headers, request_timeout, ready, starts))
+    done.put((index, share.to_plain()))
+
+
+def _get_from_workers(q, workers: list, deadline: float, what: str):
+    """q.get() that gives up when a worker died (it would never answer) or the deadline passed."""
+    while True:
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a client process exited with code {dead[0]} before it was {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"client processes not {what} in time")
+
+
+def send_in_processes(plan: list[tuple[float, str | list[int], int]], url: str, model: str,
+                      headers: dict[str, str], request_timeout: float, processes: int) -> list[ClientShare]:
+    """Deals `plan` round-robin to `processes` spawned clients (spawn: a fork would copy the parent's
+    event loop and connections) that start sending at one common time once all of them are ready;
+    returns their shares in worker order (worker k sent plan[k::processes])."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, starts, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    workers = [ctx.Process(target=client_worker, daemon=True, name=f"serve-bench-client-{k}",
+                           args=(k, plan[k::processes], url, model, headers, request_timeout, ready, starts, done))
+               for k in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = time.monotonic() + 120
+        for _ in workers:
+            _get_from_workers(ready, workers, deadline, "ready")
+        # A little ahead, so that every worker has the start before the first send is due.
+        start_wall = time.time() + 0.1
+        for _ in workers:
+            starts.put(start_wall)
+        deadline = time.monotonic() + 0.1 + (plan[-1][0] if plan else 0.0) + request_timeout + 60
+        shares: list[Optional[ClientShare]] = [None] * processes
+        for _ in workers:
+            index, plain = _get_from_workers(done, workers, deadline, "done")
+            shares[index] = ClientShare.from_plain(plain)
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.terminate()
+    return shares  # type: ignore[return-value]
+
+
+def merge_shares(shares: list[ClientShare], num_requests: int) -> list[RequestResult]:
+    """The shares' results back in plan order (worker k sent plan[k::len(shares)]), as one process has them."""
+    merged: list[Optional[RequestResult]] = [None] * num_requests
+    for k, share in enumerate(shares):
+        merged[k::len(shares)] = share.results    # a share of the wrong length raises here
+    return merged  # type: ignore[return-value]
+
+
 async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
                    headers: dict[str, str]) -> RatePoint:
     plan = make_requests(rate, args.duration, args.min_tokens, args.max_tokens, args.seed, args.prompt_tokens)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits) as client:
+    # Callers may build their own Namespace; more processes than requests would send nothing.
+    processes = min(getattr(args, "client_processes", 1), len(plan))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=_client_limits()) as client:
         preempt_before = await scrape_metric(client, url, "kvserve:num_preemptions_total")
-        start = now()
-        tasks = []
-        for offset, prompt, max_tokens in plan:
-            delay = offset - (now() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, start, headers)))
-        results = await asyncio.gather(*tasks)
-        duration = now() - start
+        if processes > 1:
+            shares = await asyncio.to_thread(send_in_processes, plan, url, model, headers,
+                                             args.request_timeout, processes)
+        else:
+            shares = [await send_plan(client, url, model, plan, headers, now())]
         preempt_after = await scrape_metric(client, url, "kvserve:num_preemptions_total")
+    # The shares started together, so the run lasts until the last of them finished.
+    duration = max(share.wall_s for share in shares)
+    results = merge_shares(shares, len(plan))
+    point = summarize_rate(rate, results, duration, args)
+    point.server_preemptions = ((preempt_after - preempt_before)
+                                if None not in (preempt_after, preempt_before) else None)
+    add_client_cost(point, plan, results, shares)
+    return point
 
+
+def summarize_rate(rate: float, results: list[RequestResult], duration: float,
+                   args: argparse.Namespace) -> RatePoint:
     done = [r for r in results if r.error is None and r.e2e is not None]
     ttfts = [r.ttft for r in done if r.ttft is not None]
     tpots = [r.tpot for r in done if r.tpot is not None]
@@ -213,9 +373,34 @@ async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
         tpot_p50_s=_round(percentile(tpots, 50)), tpot_p99_s=_round(percentile(tpots, 99)),
         e2e_p50_s=_round(percentile([r.e2e for r in done], 50)), e2e_p99_s=_round(percentile([r.e2e for r in done], 99)),
         goodput_req_per_s=round(len(good) / duration, 3), goodput_fraction=round(len(good) / len(results), 3),
-        server_preemptions=(preempt_after - preempt_before) if None not in (preempt_after, preempt_before) else None,
         num_rejected_overloaded=sum(1 for r in results if r.error and "overloaded" in r.error),
         errors=sorted({r.error for r in results if r.error})[:5])
+
+
+def add_client_cost(point: RatePoint, plan: list[tuple[float, str | list[int], int]],
+                    results: list[RequestResult], shares: list[ClientShare]) -> None:
+    """The client's CPU time per process and how late its sends left: a busy client delays both."""
+    point.client_processes = len(shares)
+    point.client_cpu_s_per_process = [round(share.cpu_s, 3) for share in shares]
+    point.client_cpu_util_per_process = [round(share.cpu_s / share.wall_s, 3) if share.results and share.wall_s > 0
+                                         else 0.0 for share in shares]
+    point.client_cpu_s = round(sum(share.cpu_s for share in shares), 3)
+    point.client_cpu_util = max(point.client_cpu_util_per_process)
+    lags = [max(0.0, r.send_time - offset) for (offset, _, _), r in zip(plan, results)]
+    point.send_lag_p99_s = _round(percentile(lags, 99))
+    point.send_lag_max_s = _round(max(lags)) if lags else None
+
+
+def client_warnings(point: RatePoint) -> list[str]:
+    """A line per rate whose client ran near one core in some process: its figures may be the client's."""
+    if point.client_cpu_util is None or point.client_cpu_util <= CLIENT_CPU_WARN:
+        return []
+    # Enough processes that each would run at about half a core at this load.
+    total = sum(point.client_cpu_util_per_process)
+    suggest = max(point.client_processes + 1, math.ceil(total / 0.5))
+    return [f"warning: at {point.request_rate:g} req/s a client process used "
+            f"{100 * point.client_cpu_util:.0f}% of one core (> {100 * CLIENT_CPU_WARN:.0f}%): the client is "
+            f"likely the bottleneck (send lag p99 {point.send_lag_p99_s} s); rerun with --client-processes {suggest}"]
 
 
 @dataclass
@@ -415,7 +600,8 @@ def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> 
 
 def format_table(points: list[RatePoint]) -> str:
     header = (f"{'rate':>5} {'reqs':>5} {'err':>4} {'dur s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-              f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8} {'good %':>7} {'out tok':>7}")
+              f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8} {'good %':>7} {'out tok':>7} {'cli cpu':>7} "
+              f"{'lag p99':>9}")
     rows = [header]
     for p in points:
         def f(v):
@@ -423,8 +609,14 @@ def format_table(points: list[RatePoint]) -> str:
         rows.append(f"{p.request_rate:5.2f} {p.num_requests:5d} {p.num_errors:4d} {p.duration_s:7.1f} "
                     f"{p.output_tokens_per_s:9.1f} {f(p.ttft_p50_s)} {f(p.ttft_p99_s)} {f(p.tpot_p50_s)} "
                     f"{f(p.tpot_p99_s)} {p.goodput_req_per_s:8.3f} {100 * p.goodput_fraction:6.1f}% "
-                    f"{p.mean_output_tokens:7.1f}")
+                    f"{p.mean_output_tokens:7.1f} {_percent(p.client_cpu_util):>7} "
+                    f"{f(p.send_lag_p99_s)}")
     return "\n".join(rows)
+
+
+def _percent(fraction: Optional[float]) -> str:
+    """The client's busiest process as a share of one core ('-' when not measured)."""
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -453,9 +645,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="requests sent one by one before measuring")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="send each rate's arrivals from this many client processes (round-robin, same "
+                             "send times) when one process would be the bottleneck; 1 sends from this process. "
+                             "They share the machine's cores with a local server")
     parser.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/serving/cpu_poisson.json)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    if args.client_processes < 1:
+        parser.error("--client-processes must be at least 1")
 
     load_before = os.getloadavg()
     proc = None
@@ -492,6 +690,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             points.append(point)
             lines = format_table([point]).splitlines()
             print("\n".join(lines if len(points) == 1 else lines[1:]), flush=True)
+            for warning in client_warnings(point):
+                print(warning, flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
@@ -502,6 +702,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     print()
     print(format_burst(points[0], args.slo_ttft) if args.burst else format_table(points))
+    for point in [] if args.burst else points:
+        for warning in client_warnings(point):
+            print(warning)
     if args.json:
         report = {
             "benchmark": "serve_bench", "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -513,6 +716,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "prompts": (f"{args.prompt_tokens} random token ids" if args.prompt_tokens else
                                      "one-sentence instructions (TASKS x TOPICS in the script)"), "seed": args.seed},
             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+            "client_processes": args.client_processes,
             "goodput_definition": "requests meeting both SLOs / seconds from first send to last completion",
             "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # Other work on a shared machine skews CPU figures; the 1-minute load says how much.

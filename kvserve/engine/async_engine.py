@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -112,8 +113,6 @@ class AsyncEngine:
     def __init__(self, engine: Any, *,
                  on_request_finished: Optional[Callable[[FinishedRequest], None]] = None) -> None:
         self.engine = engine
-        self.served = served_model_of(engine)
-        self.tokenizer = engine.tokenizer
         self.on_request_finished = on_request_finished
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
@@ -129,6 +128,14 @@ class AsyncEngine:
         slo = engine.scheduler.slo
         self.arrival_gate: Optional[ArrivalGate] = (ArrivalGate(slo) if slo is not None
                                                     and slo.shed_deadline_s() is not None else None)
+
+    @functools.cached_property
+    def served(self) -> ServedModel:
+        return served_model_of(self.engine)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
 
     # --- lifecycle (event loop side) --------------------------------------------------------------
     def start(self) -> None:

@@ -221,14 +221,19 @@ class CoreClient:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         ids = [int(t) for t in prompt["prompt_token_ids"]]
+        try:
+            payload = self._encode(msg.AddRequest(request_id, ids, params, arrival_time, prompt.get("tenant"),
+                                                  prompt.get("cache_salt"), prompt.get("pin_ttl"),
+                                                  prompt.get("pin_prefix_tokens")))
+        except OverflowError:
+            raise RequestRejected("an integer in the request is out of range (64 bits)") from None
         stream = stream or self.open_stream()
         state = RequestState(request_id, ids, params, self.tokenizer, stream, arrival_time, tenant, priority)
         done = asyncio.get_running_loop().create_future()
         self._adds[request_id] = done
         self._requests[request_id] = state
         stream._pending.add(request_id)
-        self._send(msg.AddRequest(request_id, ids, params, arrival_time, prompt.get("tenant"),
-                                  prompt.get("cache_salt"), prompt.get("pin_ttl"), prompt.get("pin_prefix_tokens")))
+        self._socket.send(payload, copy=False)
         try:
             await done
         except BaseException as exc:
@@ -255,6 +260,8 @@ class CoreClient:
                                    cache_salt=cache_salt, num_tokens=num_tokens)
 
     async def unpin_prefix(self, pin_id: int, tenant: Optional[str]) -> bool:
+        if not -2 ** 63 <= pin_id < 2 ** 63:
+            return False            # no pin has such an id (and msgpack has no such integer)
         return await self._utility("unpin_prefix", pin_id=pin_id, tenant=tenant)
 
     async def list_pins(self, tenant: Optional[str]) -> list[dict[str, Any]]:
@@ -264,8 +271,12 @@ class CoreClient:
         self._check_alive()
         call_id = next(self._call_ids)
         done = asyncio.get_running_loop().create_future()
+        try:
+            payload = self._encode(msg.Utility(call_id, method, args))
+        except OverflowError:
+            raise ValueError("an integer in the request is out of range (64 bits)") from None
         self._calls[call_id] = done
-        self._send(msg.Utility(call_id, method, args))
+        self._socket.send(payload, copy=False)
         try:
             return await done
         finally:

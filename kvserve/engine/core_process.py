@@ -246,13 +246,18 @@ class EngineCore:
         self._num_steps += 1
         self._changed = True
         by_frontend: dict[bytes, list[msg.RequestDelta]] = {}
+        any_finished = False
         for output in outputs:
             frontend = self._owner.get(output.request_id)
             if frontend is None:
                 continue          # aborted after this step began
             by_frontend.setdefault(frontend.identity, []).append(self._delta(output))
             if output.finished:
+                any_finished = True
                 self._forget(output.request_id)
+        if any_finished:
+            # Ahead of the outputs: a client that reads /metrics after its answer sees its request counted.
+            self._send_snapshot()
         for identity, deltas in by_frontend.items():
             frontend = self._frontends.get(identity)
             if frontend is not None:

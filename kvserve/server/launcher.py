@@ -35,7 +35,7 @@ logger = logging.getLogger("kvserve.server")
 
 # After the core dies, how long the front end keeps running so open streams get their error event
 # and /health can be seen failing, before the server exits.
-CORE_DEATH_GRACE_S = 1.0
+CORE_DEATH_GRACE_S = 2.0
 # How long the launcher waits for a process beyond its own drain time before killing it.
 STOP_MARGIN_S = 10.0
 

@@ -1,7 +1,8 @@
 """The real server on a loopback port, serving the default model (SmolLM2-135M-Instruct, CPU).
 
-One module-scoped server (uvicorn in a thread, around the same Engine that first computed the
-offline reference outputs) is shared by every test, to keep CPU time low. Clients are the real
+One module-scoped `kvserve serve` process tree (launcher, engine core process, front end) is
+shared by every test, to keep CPU time low; the offline engine computed the reference outputs
+first, in this process. Clients are the real
 `openai` package for the happy paths and raw httpx for bad input, disconnects and /metrics.
 """
 
@@ -11,7 +12,6 @@ import asyncio
 import json
 import re
 import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -40,13 +40,10 @@ HELLO = "Hello, my name is"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
+    from loopback_server import ServeProcess, wait_gone
 
-    from kvserve.engine.async_engine import AsyncEngine
     from kvserve.sampling_params import SamplingParams
     from kvserve.llm import LLM
-    from kvserve.server.app import build_app
-    from kvserve.server.config import ServerConfig
 
     llm = LLM(kv_cache_memory=256 << 20, max_model_len=MAX_MODEL_LEN)
     greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0)
@@ -61,31 +58,23 @@ def server(tmp_path_factory):
     expected_completions = [o.outputs[0] for o in outputs[:len(COMPLETION_PROMPTS)]]
     expected_chats = [o.outputs[0] for o in outputs[len(COMPLETION_PROMPTS):-2]]
     hello, echo = outputs[-2], outputs[-1]
+    tokenizer, vocab = llm.engine.tokenizer, llm.engine.model.config.vocab_size
+    del llm
 
-    keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
+    # The server is `kvserve serve` itself: launcher, engine core process and front end, so every
+    # answer below crossed the process boundary and is compared with the offline engine's.
+    folder = tmp_path_factory.mktemp("serve")
+    keys_file = folder / "keys.json"
     keys_file.write_text(json.dumps({TENANT_KEY: "tenant-a"}))
-    config = ServerConfig(api_key=API_KEY, api_keys_file=str(keys_file), max_request_bytes=MAX_REQUEST_BYTES,
-                          shutdown_timeout=5.0)
-    app = build_app(AsyncEngine(llm.engine), config)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(url=url, app=app, tokenizer=llm.engine.tokenizer, vocab=llm.engine.model.config.vocab_size,
+    process = ServeProcess(["--api-key", API_KEY, "--api-keys-file", str(keys_file), "--max-request-bytes",
+                            str(MAX_REQUEST_BYTES), "--shutdown-timeout", "5", "--kv-cache-memory", "256MiB",
+                            "--max-model-len", str(MAX_MODEL_LEN)], folder / "serve.log")
+    yield SimpleNamespace(url=process.url, process=process, tokenizer=tokenizer, vocab=vocab,
                           expected_completions=expected_completions, expected_chats=expected_chats,
                           hello=hello, echo=echo, headers={"Authorization": f"Bearer {API_KEY}"})
-    uv.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive(), "server did not shut down"
-    sock.close()
+    pids = process.tree()
+    assert process.stop() == 0, process.log()
+    assert not wait_gone(pids), "processes left behind"
 
 
 @pytest.fixture(scope="module")

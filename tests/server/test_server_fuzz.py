@@ -42,7 +42,8 @@ def _serve_tiny(model: str, max_model_len: int, **server_options) -> LoopbackSer
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model):
-    server = _serve_tiny(tiny_model, max_model_len=96)
+    # Through the engine core process, as `kvserve serve` runs it.
+    server = LoopbackServer(engine_options=dict(model=tiny_model, max_model_len=96, kv_cache_memory=16 << 20))
     yield server
     server.stop()
 

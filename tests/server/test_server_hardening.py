@@ -63,9 +63,9 @@ def tiny_model(tmp_path_factory):
 
 
 def _serve(model: str, **server_options) -> LoopbackServer:
-    from kvserve.engine.engine import Engine
-    engine = Engine.from_options(model=model, max_model_len=1024, kv_cache_memory=8 << 20)
-    return LoopbackServer(engine, **server_options)
+    """Through the engine core process, as `kvserve serve` runs it."""
+    return LoopbackServer(engine_options=dict(model=model, max_model_len=1024, kv_cache_memory=8 << 20),
+                          **server_options)
 
 
 @pytest.fixture(scope="module")
@@ -424,15 +424,22 @@ def test_huge_values_are_not_echoed_in_full(open_server):
     assert response.status_code == 403 and len(response.content) < 1000
 
 
-def test_unexpected_engine_errors_are_not_sent_to_the_client(open_server, monkeypatch):
+def test_unexpected_engine_errors_are_not_sent_to_the_client(tiny_model, monkeypatch):
     """Only RequestRejected carries a message written for clients; any other error from
-    add_request is a 500 whose text stays in the log."""
+    add_request is a 500 whose text stays in the log. (An engine of this process, to break it.)"""
+    from kvserve.engine.engine import Engine
+    engine = Engine.from_options(model=tiny_model, max_model_len=1024, kv_cache_memory=8 << 20)
+    server = LoopbackServer(engine)
+
     def broken(*args, **kwargs):
         raise ValueError("cannot open /root/.cache/kvserve/secret.bin")
-    monkeypatch.setattr(open_server.engine, "add_request", broken)
-    response = _post(open_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
-    assert _error(response, 500)["message"] == "internal server error"
-    _assert_no_internals(response)
+    monkeypatch.setattr(engine, "add_request", broken)
+    try:
+        response = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert _error(response, 500)["message"] == "internal server error"
+        _assert_no_internals(response)
+    finally:
+        server.stop()
 
 
 # --------------------------------------------------------------------------------------------------

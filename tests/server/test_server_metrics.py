@@ -70,10 +70,13 @@ def test_the_latency_targets_are_stats_too():
     stats = EngineStats(SchedulerStats(0, 0, 0, latency), KVCacheStats(1, 1, 0.0, 16), 0, 0)
     snapshot = EngineSnapshot.from_stats(stats, 0, 0, rejected_by_gate=3)
     assert (snapshot.slo_max_running, snapshot.slo_rejected_at_arrival) == (4, 4)
+    from kvserve.engine.client import ServedModel
     from kvserve.server.app import _slo_targets
-    targets = _slo_targets(stats.scheduler.latency)
+    served = ServedModel(model=None, load_format="auto", source_path="m", max_model_len=64, vocab_size=10,
+                         max_num_seqs=4, capacity_tokens=64, slo_ttft_s=1.5)
+    targets = _slo_targets(served)
     assert (targets.ttft_s, targets.tpot_s) == (1.5, None)
-    assert _slo_targets(None) is None
+    assert _slo_targets(ServedModel(None, "auto", "m", 64, 10, 4, 64)) is None
     text = ServerMetrics(lambda: snapshot, "m", slo=targets).render().decode()
     assert 'kvserve:requests_slo_total{model_name="m",outcome="met"} 0.0' in text
 
