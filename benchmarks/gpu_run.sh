@@ -57,10 +57,15 @@ if [[ $what == *" offline "* ]]; then
     --json "$OUT/h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
 fi
 if [[ $what == *" serve "* ]]; then
-  timeout 400 python3 benchmarks/serving/serve_bench.py --rates 4,16,64 --duration 20 --prompt-tokens 512 \
-    --min-tokens 64 --max-tokens 128 --json "$OUT/h200_qwen7b_poisson_4_16_64.json" -- \
+  # The engine core in its own process (issue 26): the issue's rates, the client in 4 processes (it
+  # reports its own CPU), then the offline engine at the same shape and batch sizes as the reference.
+  timeout 500 python3 benchmarks/serving/serve_bench.py --rates 16,64,96,128 --duration 20 --prompt-tokens 512 \
+    --min-tokens 64 --max-tokens 128 --client-processes 4 --json "$OUT/h200_qwen7b_poisson_16_64_96_128.json" -- \
     --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 40GiB \
-    2>&1 | tail -8 | tee "$OUT/gpu_serve.log"
+    2>&1 | tail -10 | tee "$OUT/gpu_serve.log"
+  timeout 300 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --kv-cache-memory 40GiB --batch-sizes 64,128 --input-len 512 --output-len 128 \
+    --json "$OUT/h200_qwen7b_offline_b64_128.json" 2>&1 | tail -6 | tee -a "$OUT/gpu_serve.log"
 fi
 if [[ $what == *" kvquant "* ]]; then
   timeout 200 python3 benchmarks/kernels/kv_quant_attention_bench.py --json "$OUT/h200_kv_quant_attention.json" 2>&1 \
