@@ -54,12 +54,7 @@ class Utility(msgspec.Struct, tag=True):
     args: dict[str, Any]
 
 
-class Shutdown(msgspec.Struct, tag=True):
-    """Stop admitting, let running requests finish for up to drain_timeout s, then exit."""
-    drain_timeout: float
-
-
-ToCore = Union[Hello, AddRequest, Abort, FinishSample, Utility, Shutdown]
+ToCore = Union[Hello, AddRequest, Abort, FinishSample, Utility]
 
 
 class AddResult(msgspec.Struct, tag=True):

@@ -11,7 +11,7 @@ sleeps in poll. It watches, through pidfds in the same poll: each front end (one
 requests aborted, their blocks freed at once), and the launcher (if it dies, the core exits: no
 orphan holding the GPU).
 
-Shutdown (SIGTERM or a Shutdown message): admissions stop, running requests get the drain timeout
+Shutdown (SIGTERM, from the launcher): admissions stop, running requests get the drain timeout
 to finish, the rest are aborted, and the process exits 0.
 """
 
@@ -156,8 +156,6 @@ class EngineCore:
                 self._forget(message.request_id)
         elif isinstance(message, msg.Utility):
             self._utility(frontend, message)
-        elif isinstance(message, msg.Shutdown):
-            self.request_stop(message.drain_timeout)
 
     def _hello(self, identity: bytes, pid: int) -> None:
         frontend = _FrontEnd(identity, pid, _pidfd(pid))
