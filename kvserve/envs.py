@@ -26,6 +26,10 @@ class EnvVar:
         """For switches: anything but "" and "0" is on."""
         return self.get() not in ("", "0")
 
+    def set(self, value: str) -> None:
+        """Sets it in this process's environment, which processes started from now on inherit."""
+        os.environ[self.name] = value
+
 
 KVSERVE_CACHE_DIR = EnvVar("KVSERVE_CACHE_DIR", "~/.cache/kvserve",
                            "where converted GGUF tokenizers and compiled CPU kernels are kept")
@@ -36,9 +40,12 @@ KVSERVE_PDL = EnvVar("KVSERVE_PDL", "1", "0: launch the Triton kernels without p
 KVSERVE_API_KEY = EnvVar("KVSERVE_API_KEY", "", "the server's API key when --api-key is not given")
 CC = EnvVar("CC", "", "the C compiler for the CPU kernels (default: cc, then gcc)")
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's own: 1 runs kernels in its CPU interpreter (tests)")
+PROMETHEUS_MULTIPROC_DIR = EnvVar("PROMETHEUS_MULTIPROC_DIR", "",
+                                  "prometheus_client's own; `kvserve serve --api-server-count N` sets it for its "
+                                  "front ends (their request metrics are summed there)")
 
 ALL = (KVSERVE_CACHE_DIR, KVSERVE_DISABLE_CPU_KERNELS, KVSERVE_HUGE_PAGES, KVSERVE_PDL, KVSERVE_API_KEY, CC,
-       TRITON_INTERPRET)
+       TRITON_INTERPRET, PROMETHEUS_MULTIPROC_DIR)
 
 
 def cache_dir() -> str:

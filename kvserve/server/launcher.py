@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import uvicorn
 
+from kvserve import envs
+
 logger = logging.getLogger("kvserve.server")
 
 # After the core dies, how long the front end keeps running so open streams get their error event
@@ -225,7 +227,7 @@ def _supervise_front_ends(spec: FrontEndSpec, sock: socket.socket, core: Any, ru
     metrics_dir = os.path.join(run_dir, "metrics")
     os.makedirs(metrics_dir)
     # Set before the front ends import prometheus_client: it picks multiprocess mode at import.
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    envs.PROMETHEUS_MULTIPROC_DIR.set(metrics_dir)
     spec = FrontEndSpec(**{**spec.__dict__, "metrics_dir": metrics_dir})
     context = _context()
     front_ends = [context.Process(target=_front_end_main, args=(spec,), name=f"kvserve-front-end-{i}")
