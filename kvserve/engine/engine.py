@@ -365,11 +365,15 @@ class Engine:
             self.scheduler.finish(group.children[index], RequestStatus.FINISHED_STOPPED)
         if not all(c.is_finished for c in group.children):
             return False
-        del self._groups[request_id]
-        for c in group.children:
-            self._child_to_group.pop(c.request_id, None)
-            self._count_finished(c.finish_reason or "abort", 1)
+        self._retire(group)
         return True
+
+    def _retire(self, group: _Group) -> None:
+        """A request whose samples have all ended leaves the engine, counted by finish reason."""
+        del self._groups[group.request_id]
+        for child in group.children:
+            self._child_to_group.pop(child.request_id, None)
+            self._count_finished(child.finish_reason or "abort", 1)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -525,10 +529,7 @@ class Engine:
                    or all(child.is_finished for child in group.children)]
         for output in outputs:
             if output.finished:
-                group = self._groups.pop(output.request_id)
-                for child in group.children:
-                    self._child_to_group.pop(child.request_id, None)
-                    self._count_finished(child.finish_reason or "abort", 1)
+                self._retire(self._groups[output.request_id])
         return outputs
 
     def _count_finished(self, reason: str, count: int) -> None:
