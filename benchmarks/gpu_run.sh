@@ -57,15 +57,26 @@ if [[ $what == *" offline "* ]]; then
     --json "$OUT/h200_offline_llama8b.json" 2>&1 | tail -6 | tee "$OUT/gpu_offline.log"
 fi
 if [[ $what == *" serve "* ]]; then
-  # The engine core in its own process (issue 26): the issue's rates, the client in 4 processes (it
-  # reports its own CPU), then the offline engine at the same shape and batch sizes as the reference.
-  timeout 500 python3 benchmarks/serving/serve_bench.py --rates 16,64,96,128 --duration 20 --prompt-tokens 512 \
-    --min-tokens 64 --max-tokens 128 --client-processes 4 --json "$OUT/h200_qwen7b_poisson_16_64_96_128.json" -- \
+  # The engine core in its own process (issue 26): the issue's rates (16 twice: the second run says
+  # whether the first one's tail was first-use compilation), the client in 4 processes (it reports its
+  # own CPU); GPU utilisation sampled beside it; py-spy stacks of the core and the front end mid-rate
+  # when py-spy is installed (a carried wheel); then the offline engine at the same shape.
+  profile=(); command -v py-spy >/dev/null && profile=(--profile-dir "$OUT/profiles")
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits -lms 250 \
+    > "$OUT/gpu_util_serve.csv" 2>/dev/null & smi=$!
+  timeout 500 python3 benchmarks/serving/serve_bench.py --rates ${SERVE_RATES:-16,16,64,96,128} --duration 20 \
+    --prompt-tokens 512 --min-tokens 64 --max-tokens 128 --client-processes 4 "${profile[@]}" \
+    --json "$OUT/h200_qwen7b_poisson_serve.json" -- \
     --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 40GiB \
-    2>&1 | tail -10 | tee "$OUT/gpu_serve.log"
-  timeout 300 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
-    --dtype bfloat16 --kv-cache-memory 40GiB --batch-sizes 64,128 --input-len 512 --output-len 128 \
-    --json "$OUT/h200_qwen7b_offline_b64_128.json" 2>&1 | tail -6 | tee -a "$OUT/gpu_serve.log"
+    2>&1 | tail -12 | tee "$OUT/gpu_serve.log"
+  kill $smi 2>/dev/null
+  [[ -d $OUT/profiles ]] && python3 benchmarks/serving/profile_summary.py "$OUT/profiles" --top 30 > "$OUT/gpu_serve_profile.txt"
+  # The reference shape (128 new tokens) and the served mix's mean (96), up to the server's batch limit.
+  for out_len in 128 96; do
+    timeout 300 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+      --dtype bfloat16 --kv-cache-memory 40GiB --batch-sizes 64,128,256 --input-len 512 --output-len $out_len \
+      --json "$OUT/h200_qwen7b_offline_out$out_len.json" 2>&1 | tail -5 | tee -a "$OUT/gpu_serve.log"
+  done
 fi
 if [[ $what == *" kvquant "* ]]; then
   timeout 200 python3 benchmarks/kernels/kv_quant_attention_bench.py --json "$OUT/h200_kv_quant_attention.json" 2>&1 \

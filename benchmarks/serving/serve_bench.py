@@ -33,11 +33,13 @@ import platform
 import queue
 import random
 import shlex
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -134,6 +136,15 @@ class RatePoint:
     client_cpu_util_per_process: list[float] = field(default_factory=list)
     send_lag_p99_s: Optional[float] = None
     send_lag_max_s: Optional[float] = None
+    # Unix time of the first planned send, to line this rate up with samples taken beside the run
+    # (GPU utilisation, a profile of the server's processes).
+    started_unix: Optional[float] = None
+    seed: Optional[int] = None
+    # The server's running batch and queue while the rate ran (its /metrics, read every 0.5 s): the
+    # batch size to compare with the offline engine's, and whether a queue built up.
+    running_mean: Optional[float] = None
+    running_max: Optional[float] = None
+    waiting_max: Optional[float] = None
 
 
 @dataclass
@@ -238,6 +249,24 @@ async def scrape_metric(client: httpx.AsyncClient, url: str, name: str) -> Optio
     return total
 
 
+async def sample_queue(client: httpx.AsyncClient, url: str, stop: asyncio.Event,
+                       period_s: float = 0.5) -> tuple[list[float], list[float]]:
+    """(running, waiting) request counts from the server's /metrics every `period_s` until `stop`."""
+    running: list[float] = []
+    waiting: list[float] = []
+    while not stop.is_set():
+        batch = await scrape_metric(client, url, "kvserve:num_requests_running")
+        queue = await scrape_metric(client, url, "kvserve:num_requests_waiting")
+        if batch is not None and queue is not None:
+            running.append(batch)
+            waiting.append(queue)
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+        except asyncio.TimeoutError:
+            pass
+    return running, waiting
+
+
 async def send_plan(client: httpx.AsyncClient, url: str, model: str,
                     plan: list[tuple[float, str | list[int], int]], headers: dict[str, str],
                     start: float) -> ClientShare:
@@ -333,17 +362,27 @@ def merge_shares(shares: list[ClientShare], num_requests: int) -> list[RequestRe
 
 
 async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
-                   headers: dict[str, str]) -> RatePoint:
-    plan = make_requests(rate, args.duration, args.min_tokens, args.max_tokens, args.seed, args.prompt_tokens)
+                   headers: dict[str, str], point_index: int = 0) -> RatePoint:
+    # Each point of a sweep draws its own prompts: with one seed for all, every rate would resend the
+    # previous rate's prompts in the same order and hit the prefix cache the earlier rate filled.
+    seed = args.seed + point_index
+    plan = make_requests(rate, args.duration, args.min_tokens, args.max_tokens, seed, args.prompt_tokens)
+    started_unix = time.time()
     # Callers may build their own Namespace; more processes than requests would send nothing.
     processes = min(getattr(args, "client_processes", 1), len(plan))
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=_client_limits()) as client:
         preempt_before = await scrape_metric(client, url, "kvserve:num_preemptions_total")
-        if processes > 1:
-            shares = await asyncio.to_thread(send_in_processes, plan, url, model, headers,
-                                             args.request_timeout, processes)
-        else:
-            shares = [await send_plan(client, url, model, plan, headers, now())]
+        stop_sampling = asyncio.Event()
+        sampler = asyncio.create_task(sample_queue(client, url, stop_sampling))
+        try:
+            if processes > 1:
+                shares = await asyncio.to_thread(send_in_processes, plan, url, model, headers,
+                                                 args.request_timeout, processes)
+            else:
+                shares = [await send_plan(client, url, model, plan, headers, now())]
+        finally:
+            stop_sampling.set()
+            running, waiting = await sampler
         preempt_after = await scrape_metric(client, url, "kvserve:num_preemptions_total")
     # The shares started together, so the run lasts until the last of them finished.
     duration = max(share.wall_s for share in shares)
@@ -352,6 +391,10 @@ async def run_rate(url: str, model: str, rate: float, args: argparse.Namespace,
     point.server_preemptions = ((preempt_after - preempt_before)
                                 if None not in (preempt_after, preempt_before) else None)
     add_client_cost(point, plan, results, shares)
+    point.started_unix, point.seed = round(started_unix, 3), seed
+    if running:
+        point.running_mean = round(statistics.fmean(running), 1)
+        point.running_max, point.waiting_max = max(running), max(waiting)
     return point
 
 
@@ -584,6 +627,73 @@ def start_server(serve_args: list[str], port: int, log_path: str) -> subprocess.
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def server_processes(server_pid: int) -> dict[str, int]:
+    """The local server's processes by role: "server" (the launcher, which is also the front end with
+    one API server), "core" (the engine core) and "front-end-N" (more API servers): the spawned
+    children of the launcher (multiprocessing's resource tracker left out)."""
+    roles = {"server": server_pid}
+    try:
+        with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+    except OSError:
+        return roles
+    front_ends = 0
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "spawn_main" not in cmdline or "resource_tracker" in cmdline:
+            continue
+        # The core is spawned first (the front ends wait for it to be ready).
+        if "core" not in roles:
+            roles["core"] = pid
+        else:
+            front_ends += 1
+            roles[f"front-end-{front_ends}"] = pid
+    return roles
+
+
+class RateProfiler:
+    """py-spy stacks of the local server's processes in the middle of each rate's run: sampling starts
+    30% into the arrivals and lasts half of them, so it sees the steady state, not the ramp or the
+    drain. Raw (collapsed-stack) files, idle frames included: the core's time waiting in its poll or on
+    the GPU is part of the answer to "what limits the rate"."""
+
+    def __init__(self, directory: str, server_pid: int, duration_s: float) -> None:
+        self.py_spy = shutil.which("py-spy")
+        if self.py_spy is None:
+            raise SystemExit("--profile-dir needs py-spy on PATH (pip install py-spy)")
+        self.directory, self.server_pid, self.duration_s = directory, server_pid, duration_s
+        os.makedirs(directory, exist_ok=True)
+        self.timer: Optional[threading.Timer] = None
+        self.running: list[subprocess.Popen] = []
+
+    def start(self, label: str) -> None:
+        self.timer = threading.Timer(0.3 * self.duration_s, self._record, args=(label,))
+        self.timer.start()
+
+    def _record(self, label: str) -> None:
+        seconds = str(max(1, round(0.5 * self.duration_s)))
+        for role, pid in server_processes(self.server_pid).items():
+            out = os.path.join(self.directory, f"{role}_rate_{label}.txt")
+            self.running.append(subprocess.Popen(
+                [self.py_spy, "record", "--pid", str(pid), "--duration", seconds, "--rate", "100", "--idle",
+                 "--format", "raw", "--output", out, "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+
+    def finish(self) -> None:
+        if self.timer is not None:
+            self.timer.join()
+        for process in self.running:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.running.clear()
+
+
 def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -601,7 +711,7 @@ def wait_healthy(url: str, proc: Optional[subprocess.Popen], timeout: float) -> 
 def format_table(points: list[RatePoint]) -> str:
     header = (f"{'rate':>5} {'reqs':>5} {'err':>4} {'dur s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'TPOT p50':>9} {'TPOT p99':>9} {'goodput':>8} {'good %':>7} {'out tok':>7} {'cli cpu':>7} "
-              f"{'lag p99':>9}")
+              f"{'lag p99':>9} {'batch':>6} {'queue':>6}")
     rows = [header]
     for p in points:
         def f(v):
@@ -610,8 +720,13 @@ def format_table(points: list[RatePoint]) -> str:
                     f"{p.output_tokens_per_s:9.1f} {f(p.ttft_p50_s)} {f(p.ttft_p99_s)} {f(p.tpot_p50_s)} "
                     f"{f(p.tpot_p99_s)} {p.goodput_req_per_s:8.3f} {100 * p.goodput_fraction:6.1f}% "
                     f"{p.mean_output_tokens:7.1f} {_percent(p.client_cpu_util):>7} "
-                    f"{f(p.send_lag_p99_s)}")
+                    f"{f(p.send_lag_p99_s)} {_count(p.running_mean)} {_count(p.waiting_max)}")
     return "\n".join(rows)
+
+
+def _count(value: Optional[float]) -> str:
+    """The server's mean running batch or largest queue ('-' when /metrics was not read)."""
+    return f"{'-':>6}" if value is None else f"{value:6.1f}"
 
 
 def _percent(fraction: Optional[float]) -> str:
@@ -649,11 +764,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="send each rate's arrivals from this many client processes (round-robin, same "
                              "send times) when one process would be the bottleneck; 1 sends from this process. "
                              "They share the machine's cores with a local server")
+    parser.add_argument("--profile-dir", default=None,
+                        help="with a server this script starts: py-spy stacks (raw format) of its core and "
+                             "front-end processes in the middle of each rate, one file per process and rate")
     parser.add_argument("--json", default=None, help="write results here (e.g. benchmarks/results/serving/cpu_poisson.json)")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if args.client_processes < 1:
         parser.error("--client-processes must be at least 1")
+    if args.profile_dir and args.url:
+        parser.error("--profile-dir profiles a server this script starts; it cannot follow --url")
 
     load_before = os.getloadavg()
     proc = None
@@ -685,8 +805,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             point = asyncio.run(run_burst(url, model, args.burst, args, headers))
             points.append(point)
             print(format_burst(point, args.slo_ttft), flush=True)
-        for rate in rates:
-            point = asyncio.run(run_rate(url, model, rate, args, headers))
+        profiler = (RateProfiler(args.profile_dir, proc.pid, args.duration)
+                    if args.profile_dir and proc is not None else None)
+        for index, rate in enumerate(rates):
+            if profiler is not None:
+                profiler.start(f"{index}_{rate:g}")
+            point = asyncio.run(run_rate(url, model, rate, args, headers, point_index=index))
+            if profiler is not None:
+                profiler.finish()
             points.append(point)
             lines = format_table([point]).splitlines()
             print("\n".join(lines if len(points) == 1 else lines[1:]), flush=True)
