@@ -354,11 +354,15 @@ def test_pipelined_decode_declines_what_it_does_not_cover():
                     {"kv_cache_dtype": "int4", "kv_quant_group_size": 16, "kv_quant_window": 0, "kv_quant_sinks": 0,
                      **TOKEN},
                     {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"},   # keys per channel
-                    {"kv_cache_dtype": "int4", "kv_quant_window": 128, "kv_quant_sinks": 4},
                     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto"}):
         spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)
         k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
         assert not pipelined_supported(query, k_cache, v_cache), options
+    # int4 with its full-precision window (both parts alike): this kernel, the window beside it.
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="int4", kv_quant_window=128,
+                               kv_quant_sinks=4)
+    k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
+    assert pipelined_supported(query, k_cache, v_cache)
     spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="int8")
     k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
     assert pipelined_supported(query, k_cache, v_cache)
