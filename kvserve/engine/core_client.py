@@ -40,11 +40,12 @@ _ADD_ERRORS: dict[str, type[BaseException]] = {
 
 
 class _Sample:
-    __slots__ = ("token_ids", "logprobs", "detokenizer", "finish_reason", "stop_reason")
+    __slots__ = ("token_ids", "logprobs", "cumulative_logprob", "detokenizer", "finish_reason", "stop_reason")
 
     def __init__(self, detokenizer: Optional[IncrementalDetokenizer], logprobs: bool) -> None:
         self.token_ids: list[int] = []
         self.logprobs: Optional[list[dict[int, float]]] = [] if logprobs else None
+        self.cumulative_logprob = 0.0     # kept as tokens arrive (Request.cumulative_logprob says why)
         self.detokenizer = detokenizer
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[int | str] = None
@@ -88,6 +89,7 @@ class RequestState:
                 sample.token_ids.append(token_id)
                 if sample.logprobs is not None and sd.logprobs is not None:
                     sample.logprobs.append(sd.logprobs[position])
+                    sample.cumulative_logprob += sd.logprobs[position][token_id]
                 hit = sample.detokenizer.append(token_id) if sample.detokenizer is not None else None
                 # A token that both ends the sample in the core (length, EOS, a stop id) and
                 # completes a stop string keeps the core's reason, as the in-process engine does.
@@ -103,9 +105,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         completions = []
         for index, sample in enumerate(self.samples):
-            cumulative = None
-            if sample.logprobs is not None:
-                cumulative = float(sum(lp[tok] for lp, tok in zip(sample.logprobs, sample.token_ids)))
+            cumulative = sample.cumulative_logprob if sample.logprobs is not None else None
             completions.append(CompletionOutput(
                 index=index, text=sample.detokenizer.text if sample.detokenizer is not None else "",
                 token_ids=list(sample.token_ids), cumulative_logprob=cumulative,

@@ -517,6 +517,7 @@ class Engine:
             self.stats.generation_tokens_total += 1
             if result.logprobs is not None:
                 request.output_logprobs.append(result.logprobs)
+                request.cumulative_logprob += result.logprobs[result.token_id]
             detok = group.detokenizers[group.children.index(request)]
             if detok is not None:
                 hit = detok.append(result.token_id)
@@ -540,9 +541,7 @@ class Engine:
         completions = []
         for index, (child, detok) in enumerate(zip(group.children, group.detokenizers)):
             logprobs = list(child.output_logprobs) if child.params.logprobs is not None else None
-            cumulative = None
-            if logprobs is not None:
-                cumulative = float(sum(lp[tok] for lp, tok in zip(logprobs, child.output_token_ids)))
+            cumulative = child.cumulative_logprob if logprobs is not None else None
             completions.append(CompletionOutput(
                 index=index, text=detok.text if detok is not None else "",
                 token_ids=list(child.output_token_ids), cumulative_logprob=cumulative, logprobs=logprobs,

@@ -58,6 +58,9 @@ class Request:
     # Per generated token: {token_id: logprob} when params.logprobs is set; one per prompt token
     # (the first is None) when params.prompt_logprobs is set.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # The sum of the sampled tokens' logprobs, kept as they arrive: summing the list for every
+    # step's output costs the engine core O(length) Python work per request per step.
+    cumulative_logprob: float = 0.0
     prompt_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
     # Prefix caching: the namespace its blocks are cached in (tenant or share group, + cache_salt),
     # that namespace's root hash, and the chain hashes of its full blocks (extended by the KV
