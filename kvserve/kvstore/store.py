@@ -327,7 +327,9 @@ class KVCacheStore:
         index = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
             raise IndexError(f"block id out of range [0, {self.num_blocks})")
-        return index.to(self.device)
+        # Not blocking: a pageable copy is staged at once, while a blocking one would wait for all
+        # the work queued on the stream (a launched-ahead step), stalling the host behind the GPU.
+        return index.to(self.device, non_blocking=True)
 
     def check_same_layout(self, other: "KVCacheStore") -> None:
         if other.layout != self.layout:

@@ -22,7 +22,7 @@ from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_path import choose_forward
 from kvserve.worker.kv_sizing import spec_from_config
 from kvserve.worker.kv_transfer import KVTransfers
-from kvserve.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from kvserve.worker.sampler import LogprobTensors, Sampler, SamplingRow, compute_prompt_logprobs
 
 
 
@@ -41,11 +41,16 @@ class InflightStep:
     token_ids: torch.Tensor            # [rows] on the device: the next step's inputs read from here
     host_token_ids: torch.Tensor       # host copy (pinned on CUDA), valid once `ready` has completed
     ready: "torch.cuda.Event | None"   # None where the device runs synchronously (CPU)
+    rows: list[SamplingRow]            # what each row asked for
+    host_logprobs: LogprobTensors | None = None   # host copies, valid with `ready`, when rows asked
 
     def results(self) -> list[StepResult]:
         if self.ready is not None:
             self.ready.synchronize()
-        return [StepResult(request, token, None) for request, token in zip(self.requests, self.host_token_ids.tolist())]
+        logprobs = (self.host_logprobs.entries(self.rows)[0] if self.host_logprobs is not None
+                    else [None] * len(self.requests))
+        return [StepResult(request, token, lp)
+                for request, token, lp in zip(self.requests, self.host_token_ids.tolist(), logprobs)]
 
 
 class ModelRunner:
@@ -254,7 +259,9 @@ class ModelRunner:
         if not row_requests:
             return None
         logits = self._sampled_logits(hidden, sample_rows)
-        token_ids = self.sampler.select(logits, self._sampling_rows(row_requests), self.eos_token_ids)
+        rows = self._sampling_rows(row_requests)
+        token_ids, logprobs = self.sampler.select(logits, rows, self.eos_token_ids)
+        host_logprobs = logprobs.to_host() if logprobs is not None else None
         ready = None
         if token_ids.is_cuda:
             host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
@@ -263,7 +270,8 @@ class ModelRunner:
             ready.record()
         else:
             host = token_ids
-        return InflightStep(row_requests, {r.request_id: i for i, r in enumerate(row_requests)}, token_ids, host, ready)
+        return InflightStep(row_requests, {r.request_id: i for i, r in enumerate(row_requests)}, token_ids, host,
+                            ready, rows, host_logprobs)
 
     def feed_pending_tokens(self, input_ids: torch.Tensor, items: list[ScheduledRequest],
                             previous: InflightStep | None) -> None:
@@ -286,11 +294,12 @@ class ModelRunner:
 
     def can_launch_ahead(self, sched_out: SchedulerOutput) -> bool:
         """True when a step may be queued before the previous step's tokens reach the host: no
-        scheduled request needs host-side token history or per-token host work to sample
-        (penalties, logprobs, prompt logprobs)."""
+        scheduled request needs host-side token history to sample (penalties) or per-token host work
+        on the prompt (prompt logprobs). Sampled-token logprobs come from the step's own logits: they
+        travel to the host with its tokens."""
         for item in sched_out.scheduled:
             params = item.request.params
-            if (params.logprobs is not None or params.prompt_logprobs is not None
+            if (params.prompt_logprobs is not None
                     or params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty):
                 return False
         return True

@@ -61,6 +61,43 @@ class SampleResult:
     ranks: list[Optional[int]]
 
 
+@dataclass
+class LogprobTensors:
+    """What the rows that asked for logprobs need, still on the device (or copied to pinned host
+    memory without a wait): a launched-ahead step reads them when it reads its tokens."""
+    row_ids: list[int]          # the rows these belong to
+    chosen: torch.Tensor        # [n] the sampled ids
+    chosen_logprobs: torch.Tensor   # [n]
+    ranks: torch.Tensor         # [n] 1 + the number of ids more likely than the sampled one
+    top_logprobs: torch.Tensor  # [n, top]
+    top_ids: torch.Tensor       # [n, top]
+
+    def to_host(self) -> "LogprobTensors":
+        """Copies that start now and land with the stream's next event (pinned on CUDA)."""
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if not tensor.is_cuda:
+                return tensor
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+        return LogprobTensors(self.row_ids, copy(self.chosen), copy(self.chosen_logprobs), copy(self.ranks),
+                              copy(self.top_logprobs), copy(self.top_ids))
+
+    def entries(self, rows: list["SamplingRow"]) -> tuple[list[Optional[dict[int, float]]], list[Optional[int]]]:
+        """Per row of the batch: {sampled id: lp, then each row's top-N ids: lp} and the rank
+        (None for rows that did not ask); reads the tensors on the host."""
+        logprobs: list[Optional[dict[int, float]]] = [None] * len(rows)
+        ranks: list[Optional[int]] = [None] * len(rows)
+        chosen, chosen_lp, rank, top_lp, top_ids = (t.tolist() for t in (
+            self.chosen, self.chosen_logprobs, self.ranks, self.top_logprobs, self.top_ids))
+        for j, i in enumerate(self.row_ids):
+            n = rows[i].params.logprobs
+            entry = {chosen[j]: chosen_lp[j]}
+            for token, lp in zip(top_ids[j][:n], top_lp[j][:n]):
+                entry.setdefault(token, lp)
+            logprobs[i], ranks[i] = entry, rank[j]
+        return logprobs, ranks
+
+
 # --------------------------------------------------------------------------------------------
 # Batched logit processors (each returns a new tensor; callers' logits are never modified)
 # --------------------------------------------------------------------------------------------
@@ -211,6 +248,10 @@ def _check_generator_device(generator: torch.Generator, device: torch.device) ->
 # --------------------------------------------------------------------------------------------
 
 
+def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 def _float_tensor(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
@@ -235,16 +276,25 @@ class Sampler:
         logits = apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids))
         logits = self._apply_penalties(logits, rows)
         token_ids = self._select_tokens(logits, rows)
-        logprobs, ranks = self._collect_logprobs(raw_logprobs, logprob_rows, token_ids, rows)
+        if raw_logprobs is None:
+            return SampleResult(token_ids=token_ids.tolist(), logprobs=[None] * len(rows), ranks=[None] * len(rows))
+        logprobs, ranks = self._logprob_tensors(raw_logprobs, logprob_rows, token_ids, rows).entries(rows)
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, ranks=ranks)
 
-    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]) -> torch.Tensor:
-        """Token ids [rows] left on the device: for batches without penalties or logprobs (the
-        overlapped scheduler launches such steps before the previous step's tokens are known)."""
+    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]
+               ) -> tuple[torch.Tensor, Optional[LogprobTensors]]:
+        """Token ids [rows] and the logprobs asked for, left on the device: for batches without
+        penalties (the overlapped scheduler launches such steps before the previous step's tokens
+        are known; logprobs come from this step's logits alone, so they may be read later)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
-        logits = apply_token_mask(logits.float(), min_tokens_bans(rows, eos_token_ids))
-        return self._select_tokens(logits, rows)
+        logits = logits.float()
+        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        raw_logprobs = self._raw_logprobs(logits, logprob_rows)
+        token_ids = self._select_tokens(apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids)), rows)
+        if raw_logprobs is None:
+            return token_ids, None
+        return token_ids, self._logprob_tensors(raw_logprobs, logprob_rows, token_ids, rows)
 
     # -- stages ---------------------------------------------------------------------------
 
@@ -255,8 +305,7 @@ class Sampler:
             return None
         if len(row_ids) == logits.shape[0]:
             return torch.log_softmax(logits, dim=-1)
-        index = torch.tensor(row_ids, device=logits.device)
-        return torch.log_softmax(logits[index], dim=-1)
+        return torch.log_softmax(logits[_index_tensor(row_ids, logits.device)], dim=-1)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -312,29 +361,18 @@ class Sampler:
         return exponential_race(logits.softmax(dim=-1), [row.generator for row in rows])
 
     @staticmethod
-    def _collect_logprobs(raw_logprobs: Optional[torch.Tensor], row_ids: list[int],
-                          token_ids: torch.Tensor, rows: list[SamplingRow]
-                          ) -> tuple[list[Optional[dict[int, float]]], list[Optional[int]]]:
-        """Sampled-token logprob, top-N alternatives and rank, moved to the host in one go."""
-        logprobs: list[Optional[dict[int, float]]] = [None] * len(rows)
-        ranks: list[Optional[int]] = [None] * len(rows)
-        if raw_logprobs is None:
-            return logprobs, ranks
-        index = torch.tensor(row_ids, device=raw_logprobs.device)
-        chosen = token_ids[index]
+    def _logprob_tensors(raw_logprobs: torch.Tensor, row_ids: list[int], token_ids: torch.Tensor,
+                         rows: list[SamplingRow]) -> LogprobTensors:
+        """Sampled-token logprob, top-N alternatives and rank of the rows `row_ids`, on the device."""
+        # All rows (the usual case) need no index: a host list copied to the device would wait
+        # for the work queued before it, which a launched-ahead step must not.
+        chosen = token_ids if len(row_ids) == len(rows) else token_ids[_index_tensor(row_ids, token_ids.device)]
         chosen_lp = raw_logprobs.gather(1, chosen.unsqueeze(1))
         # Rank = 1 + number of tokens strictly more likely than the sampled one.
         rank = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
         num_top = min(max(rows[i].params.logprobs for i in row_ids), raw_logprobs.shape[-1])
         top_lp, top_ids = raw_logprobs.topk(num_top, dim=-1)
-        host = [t.tolist() for t in (chosen, chosen_lp.squeeze(1), rank, top_lp, top_ids)]
-        for j, i in enumerate(row_ids):
-            n = rows[i].params.logprobs
-            entry = {host[0][j]: host[1][j]}
-            for token, lp in zip(host[4][j][:n], host[3][j][:n]):
-                entry.setdefault(token, lp)
-            logprobs[i], ranks[i] = entry, host[2][j]
-        return logprobs, ranks
+        return LogprobTensors(row_ids, chosen, chosen_lp.squeeze(1), rank, top_lp, top_ids)
 
 
 # --------------------------------------------------------------------------------------------

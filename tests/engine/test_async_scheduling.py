@@ -92,7 +92,7 @@ def test_async_with_preemption_matches_sync(tiny_checkpoint, reference):
     assert engine.scheduler.num_preemptions_total > 0
 
 
-def test_logprobs_and_penalties_fall_back_to_sync_steps(tiny_checkpoint):
+def test_penalties_fall_back_to_sync_steps(tiny_checkpoint):
     """Requests whose sampling needs host-side history run synchronous steps; mixing them in
     changes nothing for the others."""
     folder, _ = tiny_checkpoint
@@ -104,6 +104,49 @@ def test_logprobs_and_penalties_fall_back_to_sync_steps(tiny_checkpoint):
     _, expected = _run(_engine(folder, "off"), requests)
     _, got = _run(_engine(folder, "on"), requests)
     assert got == expected
+
+
+def _logprob_outputs(engine: Engine, requests: list[tuple[list[int], SamplingParams]]):
+    """{request id: (token ids, logprobs, cumulative logprob)} per sample; also whether any step of
+    the run was launched ahead."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    finished, launched_ahead = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = [(c.token_ids, c.logprobs, c.cumulative_logprob) for c in out.outputs]
+        launched_ahead |= engine._inflight is not None
+    return finished, launched_ahead
+
+
+def test_logprobs_launch_ahead_and_match_sync(tiny_checkpoint):
+    """Sampled-token logprobs come from the step's own logits: steps that ask for them are launched
+    ahead too, and every logprob, top-N entry and cumulative sum is the synchronous engine's."""
+    folder, _ = tiny_checkpoint
+    requests = [
+        (PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)),
+        (PROMPTS[3], SamplingParams(max_tokens=9, temperature=0.7, seed=4, ignore_eos=True, logprobs=0)),
+        (PROMPTS[1], SamplingParams(n=2, max_tokens=7, temperature=1.0, seed=9, ignore_eos=True, logprobs=1)),
+    ]
+    expected, sync_ahead = _logprob_outputs(_engine(folder, "off"), requests)
+    got, async_ahead = _logprob_outputs(_engine(folder, "on"), requests)
+    assert not sync_ahead and async_ahead
+    assert got.keys() == expected.keys()
+    for request_id, samples in expected.items():
+        for (tokens, logprobs, cumulative), (got_tokens, got_logprobs, got_cumulative) in zip(samples, got[request_id]):
+            assert got_tokens == tokens
+            if logprobs is None:
+                assert got_logprobs is None and got_cumulative is None
+                continue
+            assert [list(entry) for entry in got_logprobs] == [list(entry) for entry in logprobs]
+            for entry, got_entry in zip(logprobs, got_logprobs):
+                assert got_entry == pytest.approx(entry, abs=1e-5)
+            assert got_cumulative == pytest.approx(sum(e[t] for e, t in zip(logprobs, tokens)), abs=1e-4)
+            assert got_cumulative == pytest.approx(cumulative, abs=1e-4)
+    # Greedy: the sampled id is the top one, so top 3 are 3 entries; logprobs=0: the sampled id alone.
+    assert len(expected["r1"][0][1][0]) == 3 and len(expected["r2"][0][1][0]) == 1
 
 
 def test_abort_with_a_pending_token_frees_everything(tiny_checkpoint):
