@@ -22,6 +22,7 @@ demo: setup
 	$(VENV)/bin/kvserve generate "What is the capital of France?" "Write a haiku about memory." --max-tokens 64
 
 test: setup
+	bash scripts/install_system_packages.sh
 	$(PY) -m pytest -q -x --durations=15
 
 bench: setup

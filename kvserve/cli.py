@@ -106,6 +106,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"{tag}{completion.text}")
             print(f"--- prompt {prompt!r}: {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}",
                   file=sys.stderr)
+    llm.close()
     return 0
 
 
@@ -122,6 +123,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
+            llm.close()
             return 0
         if not line.strip():
             continue

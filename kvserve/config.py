@@ -184,13 +184,33 @@ class CacheConfig:
                                                 "host KV tier gives back an eighth of its memory, until the pressure "
                                                 "clears; it grows back after a calm spell; 0 = never",
                                           **bounds(ge=0.0, le=100.0))
-    kv_host_write_policy: str = _opt("write-back", "when a GPU block is copied to the host tier: write-back (when the "
-                                                   "GPU cache evicts it), write-through (once it is full; its "
-                                                   "eviction then copies nothing) or selective (when evicted, if at "
-                                                   "least --kv-host-min-uses requests used it)",
-                                     choices=("write-back", "write-through", "selective"))
+    kv_host_write_policy: Optional[str] = _opt(None, "when a GPU block is copied to the host tier: write-back (when "
+                                                     "the GPU cache evicts it), write-through (once it is full; its "
+                                                     "eviction then copies nothing) or selective (when evicted, if "
+                                                     "at least --kv-host-min-uses requests used it); default "
+                                                     "write-back, write-through with a disk or remote KV tier (so a "
+                                                     "restart or another replica finds every block)",
+                                               choices=("write-back", "write-through", "selective"))
     kv_host_min_uses: int = _opt(2, "selective write policy: requests that must have used a block (its first "
                                     "computation included) for its eviction to copy it to the host tier", **bounds(ge=1))
+    # The tiers below the host (kvserve/kvstore/cold_tier.py, engine/cold_tiers.py; docs/kv_tiers.md).
+    kv_disk_path: Optional[str] = _opt(None, "directory of a disk KV tier below the host tier: blocks the host tier "
+                                             "receives are also written there (one file each, in their stored "
+                                             "format) and a restarted server with the same model and KV format "
+                                             "finds them (needs --kv-host-memory and --kv-disk-size)")
+    kv_disk_size: int = _opt(0, "bytes the disk KV tier may use; least recently used blocks go first",
+                             bytes=True, **bounds(ge=0, unit="bytes"))
+    kv_remote_url: Optional[str] = _opt(None, "redis://HOST:PORT[/db] of a Redis server that holds KV blocks for "
+                                              "every replica of this model (needs --kv-host-memory; set Redis's "
+                                              "maxmemory and maxmemory-policy allkeys-lru)")
+    kv_remote_ttl: float = _opt(86400.0, "seconds a block stays in the remote KV tier after it was written "
+                                         "(0 = until Redis evicts it)", **bounds(ge=0, unit="seconds"))
+    kv_remote_tenant_quota: int = _opt(0, "bytes each tenant namespace may write to the remote KV tier (counted "
+                                          "in Redis, shared by the replicas); 0 = no quota",
+                                       bytes=True, **bounds(ge=0, unit="bytes"))
+    kv_cold_max_wait: float = _opt(1.0, "seconds a request waits for its prefix to come up from the disk or "
+                                        "remote KV tier before it is computed instead",
+                                   **bounds(ge=0, unit="seconds"))
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
                                       **bounds(ge=0, le=1))
     # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).
@@ -283,6 +303,13 @@ class EngineConfig:
             check_fields(getattr(self, part))
         if self.scheduler_config.slo_shed and self.scheduler_config.slo_ttft is None:
             raise ValueError("slo_shed needs slo_ttft (the deadline requests are shed against)")
+        cache = self.cache_config
+        if cache.kv_disk_path and cache.kv_disk_size <= 0:
+            raise ValueError("kv_disk_path needs kv_disk_size (the bytes the disk KV tier may use)")
+        if cache.kv_disk_size > 0 and not cache.kv_disk_path:
+            raise ValueError("kv_disk_size needs kv_disk_path (the directory of the disk KV tier)")
+        if (cache.kv_disk_path or cache.kv_remote_url) and not cache.enable_prefix_caching:
+            raise ValueError("the disk and remote KV tiers need prefix caching (they keep cached prefix blocks)")
 
     def resolved_for(self, device_type: str) -> "EngineConfig":
         """A copy with the defaults that depend on the device filled in (the options left None for

@@ -21,6 +21,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finishes the disk / remote KV tiers' writes (a later run finds them); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

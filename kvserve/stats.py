@@ -42,6 +42,25 @@ class HostTierStats:
 
 
 @dataclass(frozen=True)
+class ColdStoreStats:
+    """One KV tier below the host (disk or remote; kvserve/kvstore/cold_store.py). Totals since start."""
+    name: str                    # "disk" or "remote"
+    available: bool              # False while the store is unreachable (remote down) or stopped writing (disk full)
+    entries: int                 # blocks it holds (as far as this process knows)
+    used_bytes: int
+    capacity_bytes: int          # 0: bounded by the store itself (a remote server's maxmemory)
+    hits: int = 0                # values found and read (before their checks: see corrupt)
+    misses: int = 0              # blocks looked up and not found
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    writes_dropped: int = 0      # not written: queue full, store full, tenant quota reached, store down
+    evictions: int = 0           # blocks this process removed to stay under the size cap
+    corrupt: int = 0             # entries that failed their checks (checksum, header, identity): misses, removed
+    errors: int = 0              # I/O or connection errors (each a miss or a dropped write)
+
+
+@dataclass(frozen=True)
 class TransferStats:
     """Block copies between the GPU and its tiers (kvserve/worker/kv_transfer.py), totals since start."""
     bytes_to_device: int
@@ -61,6 +80,9 @@ class KVCacheStats:
     capacity_tokens: int         # num_blocks x block_size: what the cache holds in tokens
     host: Optional[HostTierStats] = None     # None: no host tier
     transfers: Optional[TransferStats] = None   # None: no host tier
+    cold: tuple[ColdStoreStats, ...] = ()       # the tiers below the host, in lookup order
+    cold_writes_dropped: int = 0                # blocks not sent down: the write queue was full
+    cold_hit_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens it supplied (checked)
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,7 @@ class AsyncEngine:
                                                f"the engine stopped after an internal error "
                                                f"({type(self._fatal_error).__name__})"))
             self._publish_snapshot()
+            engine.close()          # the cold KV tiers' last writes (a restarted server finds them)
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]

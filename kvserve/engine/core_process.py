@@ -381,6 +381,7 @@ def run_engine_core(engine_options: dict[str, Any], address: str, parent_pid: in
     except BaseException:
         logger.exception("engine core: the loop crashed")
         os._exit(1)
+    engine.close()                  # the cold KV tiers' last writes (a restarted server finds them)
     socket.close(linger=0)
     context.term()
     logger.info("engine core: stopped after %d steps", core._num_steps)

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.engine.cold_tiers import ColdTierBridge, build_cold_tiers, model_fingerprint
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
@@ -110,7 +111,8 @@ class Engine:
         if preemption_mode in ("swap", "auto") and self.host_store is None:
             raise ValueError(f"preemption_mode {preemption_mode} needs the host KV tier: kv_host_memory > 0, with "
                              f"prefix caching on")
-        policy = cache_cfg.kv_host_write_policy
+        policy = cache_cfg.kv_host_write_policy or (
+            "write-through" if cache_cfg.kv_disk_path or cache_cfg.kv_remote_url else "write-back")
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier,
                                          write_through=policy == "write-through",
                                          write_back_min_uses=cache_cfg.kv_host_min_uses if policy == "selective" else 1)
@@ -149,6 +151,7 @@ class Engine:
                 logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
                             self.runner.graphs.sizes, time.perf_counter() - started)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len, self.preemption_cost)
+        self.cold = self._build_cold_tiers(host_tier)
         if self.scheduler.slo is not None:
             self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
         self.stats = EngineCounters()
@@ -331,7 +334,8 @@ class Engine:
                   for _ in children]
         group = _Group(request_id, prompt_text, list(prompt_ids), children, detoks)
         for child in children:
-            self.scheduler.add_request(child)
+            # With tiers below the host, the child waits for its prefix to come up first.
+            self.scheduler.add_request(child, prefetching=self.cold is not None and self.cold.admit(child))
             self._child_to_group[child.request_id] = group
         self._groups[request_id] = group
         self.stats.prompt_tokens_total += len(prompt_ids) * len(children)
@@ -350,6 +354,8 @@ class Engine:
         for child in group.children:
             self.scheduler.abort(child.request_id)
             self._child_to_group.pop(child.request_id, None)
+            if self.cold is not None:
+                self.cold.forget(child.request_id)
         self._count_finished("abort", len(group.children))
         return True
 
@@ -390,6 +396,8 @@ class Engine:
         sched_out: Optional[SchedulerOutput] = None
         try:
             self._collect_transfers()
+            if self.cold is not None:
+                self.cold.step()
             if self.host_sizer is not None:
                 self._resize_host_tier()
             if self._inflight is not None and self._may_preempt():
@@ -403,6 +411,8 @@ class Engine:
                     outputs += self._finish_inflight()
                 elif self.scheduler.loading:
                     self._collect_transfers(wait=True)      # nothing to run until a load lands
+                elif self.scheduler.prefetching and self.cold is not None:
+                    self.cold.step(wait=True)               # nothing to run until a prefix comes up
                 elif not sched_out.rejected and self.scheduler.is_stalled:
                     # Nothing runs, nothing was admitted, and nothing will change until a new command:
                     # callers that step until done would spin forever. Say so instead.
@@ -437,6 +447,30 @@ class Engine:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
                 if self.preemption_cost is not None:
                     self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed)
+
+    def _build_cold_tiers(self, host_tier: Optional[HostTier]) -> Optional[ColdTierBridge]:
+        """The disk and remote KV tiers (--kv-disk-path, --kv-remote-url), staged through the host tier."""
+        cache_cfg = self.config.cache_config
+        if not (cache_cfg.kv_disk_path or cache_cfg.kv_remote_url):
+            return None
+        if self.host_store is None or host_tier is None:
+            raise ValueError("the disk and remote KV tiers (kv_disk_path, kv_remote_url) need the host KV tier "
+                             "(kv_host_memory > 0): their blocks come and go through it")
+        tiers = build_cold_tiers(self.config, self.host_store.block_nbytes)
+        fingerprint = model_fingerprint(self.config, self.source.hf_config.to_dict(), str(self.source.path))
+        names = ", ".join(store.name for store in tiers.stores)
+        logger.info("cold KV tiers: %s (model fingerprint %s, KV format %s)", names, fingerprint,
+                    self.kv_spec.describe())
+        return ColdTierBridge(tiers, fingerprint, self.kv_spec.describe(), cache_cfg.block_size, self.kv_manager,
+                              host_tier, self.host_store, self.runner.transfers, self.scheduler,
+                              cache_cfg.kv_cold_max_wait, self.preemption_cost)
+
+    def close(self) -> None:
+        """Hands what the host tier received to the cold tiers and waits for their writes (a
+        restarted server finds them); a no-op without cold tiers."""
+        if self.cold is not None:
+            self.cold.close()
+            self.cold = None
 
     def _resize_host_tier(self) -> None:
         """Memory pressure (--kv-host-memory-pressure): the host tier gives segments back to the OS
@@ -573,6 +607,10 @@ class Engine:
         kv_stats = self.kv_manager.make_stats()
         if self.host_store is not None:
             kv_stats = dataclasses.replace(kv_stats, transfers=self.runner.transfers.make_stats())
+        if self.cold is not None:
+            kv_stats = dataclasses.replace(kv_stats, cold=self.cold.tiers.make_stats(),
+                                           cold_writes_dropped=self.cold.tiers.writes_dropped,
+                                           cold_hit_tokens=dict(self.cold.hit_tokens))
         return EngineStats(self.scheduler.make_stats(), kv_stats, counters.prompt_tokens_total,
                            counters.generation_tokens_total, dict(counters.requests_finished_total),
                            prefix_cache=prefix_stats, expert_load=self._expert_load_stats())

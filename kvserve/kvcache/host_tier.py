@@ -49,6 +49,11 @@ class HostTier:
         self.blocks_evicted = 0
         self.writes_dropped = 0
         self.load_failures = 0
+        # With tiers below (disk, remote): the blocks written since the engine last took them, so
+        # it can copy them on once their bytes have landed (engine/cold_tiers.py).
+        self.record_writes = False
+        self._new_blocks: list[HostBlock] = []       # stored, their copies not yet handed on
+        self._issued_blocks: list[HostBlock] = []    # their copies went with a step's copies
 
     @property
     def num_used_blocks(self) -> int:
@@ -57,9 +62,11 @@ class HostTier:
     def holds(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
 
-    def store(self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], namespace: str) -> Optional[int]:
+    def store(self, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int], namespace: str,
+              from_below: bool = False) -> Optional[int]:
         """The host block to copy an evicted GPU block into, or None: already on the host (one copy
-        suffices), or every host block is being read by this step's loads (the write is dropped)."""
+        suffices), or every host block is being read by this step's loads (the write is dropped).
+        `from_below`: the bytes come up from a lower tier, which has them already (not recorded)."""
         held = self._by_hash.get(block_hash)
         if held is not None:
             self._by_hash.move_to_end(block_hash)
@@ -68,10 +75,24 @@ class HostTier:
         if host_id is None:
             self.writes_dropped += 1
             return None
-        self._by_hash[block_hash] = HostBlock(host_id, block_hash, parent_hash, tuple(token_ids), namespace)
+        block = HostBlock(host_id, block_hash, parent_hash, tuple(token_ids), namespace)
+        self._by_hash[block_hash] = block
         self._hash_of[host_id] = block_hash
         self.blocks_written += 1
+        if self.record_writes and not from_below:
+            self._new_blocks.append(block)
         return host_id
+
+    def take_issued_blocks(self) -> list[HostBlock]:
+        """The blocks `store` placed (with `record_writes`) whose copies have been handed to the
+        worker with a step's copies (`end_step`) since the last call: issued, maybe not landed."""
+        blocks, self._issued_blocks = self._issued_blocks, []
+        return blocks
+
+    def holds_at(self, host_id: int, block_hash: bytes) -> bool:
+        """Whether host block `host_id` still holds the cached block `block_hash` (it was neither
+        evicted, forgotten nor reused since it was stored)."""
+        return self._hash_of.get(host_id) == block_hash
 
     def _take_block(self) -> Optional[int]:
         if self._free:
@@ -107,6 +128,8 @@ class HostTier:
     def end_step(self) -> None:
         """The step's copies are handed to the worker, which runs them in order before any later write."""
         self._reading.clear()
+        self._issued_blocks += self._new_blocks
+        self._new_blocks = []
         self._free.extend(self._release_after_step)
         self._release_after_step.clear()
 

@@ -64,6 +64,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}       # admitted, KV being copied in from a tier
+        # Not yet waiting: their prefix is being read from a tier below the host (disk, remote)
+        # into the host tier, so that their lookup finds it there (engine/cold_tiers.py).
+        self.prefetching: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         # Admit new work only while this many blocks stay free, so a fresh admission does not
@@ -153,11 +156,25 @@ class Scheduler:
             return self.config.max_num_seqs
         return self.slo.max_running
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, prefetching: bool = False) -> None:
+        """Queues a request; with `prefetching` it is held until `end_prefetch` (its prefix is on its
+        way up from a cold tier), counted as waiting meanwhile."""
         self.check_admissible(request.num_prompt_tokens, request.max_tokens)
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if prefetching:
+            self.prefetching[request.request_id] = request
+            return
+        self._enqueue(request)
+
+    def end_prefetch(self, request_id: str) -> None:
+        """A held request's prefetch is over (loaded, missed or given up): it starts waiting."""
+        request = self.prefetching.pop(request_id, None)
+        if request is not None:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         if self.slo is not None:
             # For the latency simulation only: the hit as it stands now (admission looks again).
             hit = self._lookup(request)
@@ -392,6 +409,8 @@ class Scheduler:
             self.running.remove(request)
         elif self.loading.pop(request.request_id, None) is not None:
             pass
+        elif self.prefetching.pop(request.request_id, None) is not None:
+            pass
         else:
             try:
                 self.waiting.remove(request)
@@ -409,8 +428,8 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         latency = self.slo.make_stats(self.step_token_budget()) if self.slo is not None else None
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions_total, latency,
-                              len(self.loading))
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self.prefetching),
+                              self.num_preemptions_total, latency, len(self.loading))
 
     @property
     def is_stalled(self) -> bool:
@@ -420,4 +439,4 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.loading)
+        return len(self.waiting) + len(self.running) + len(self.loading) + len(self.prefetching)

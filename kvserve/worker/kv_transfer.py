@@ -226,6 +226,15 @@ class KVTransfers:
             torch.cuda.synchronize(self.device)
         return count * source.block_nbytes / max(time.perf_counter() - started, 1e-9)
 
+    def fence(self) -> Optional[torch.cuda.Event]:
+        """An event that completes once every copy issued so far has landed (None without CUDA,
+        where copies ran at once)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     def synchronize(self) -> None:
         """Waits for every copy issued so far (before the tier frees memory a copy may touch)."""
         for stream in (self.stream, self.scatter_stream):
