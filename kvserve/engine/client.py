@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.stats import EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats, StepCoefficients, TransferStats
+from kvserve.stats import (ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats,
+                           StepCoefficients, TransferStats)
 
 
 class EngineShutdownError(RuntimeError):
@@ -56,6 +57,9 @@ class EngineSnapshot:
     expert_load: Optional[ExpertLoadStats] = None
     kv_host: Optional[HostTierStats] = None          # the host KV tier (None: off)
     kv_transfers: Optional[TransferStats] = None     # its copies (None: no host tier)
+    kv_cold: tuple[ColdStoreStats, ...] = ()          # the disk / remote KV tiers (none: off)
+    kv_cold_hit_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens it supplied
+    kv_cold_writes_dropped: int = 0                   # blocks not sent down: the write queue was full
 
     @property
     def num_used_blocks(self) -> int:
@@ -82,7 +86,8 @@ class EngineSnapshot:
                    num_preemptions_total=sched.num_preemptions_total, num_steps_total=num_steps,
                    num_step_errors_total=num_step_errors, requests_finished_total=dict(stats.requests_finished_total),
                    prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
-                   kv_transfers=kv.transfers, **latency)
+                   kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
+                   kv_cold_writes_dropped=kv.cold_writes_dropped, **latency)
 
 
 @dataclass

@@ -142,7 +142,9 @@ class Engine:
             self.runner.register_store(HOST_STORE, self.host_store)
             link = self.runner.transfers.measure_link(HOST_STORE)
             logger.info("host KV tier link: %.1f GB/s host to device (measured)", link / 1e9)
-            if preemption_mode == "auto":
+            # Measured link and prefill rates: auto preemption weighs them, and so does the cold
+            # tiers' prefetch (a read slower than recomputing is not started).
+            if preemption_mode == "auto" or cache_cfg.kv_disk_path or cache_cfg.kv_remote_url:
                 self.preemption_cost = PreemptionCost(self.kv_bytes_per_token, transfer_bytes_per_s=link)
         if not model_cfg.enforce_eager:
             started = time.perf_counter()

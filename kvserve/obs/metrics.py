@@ -93,11 +93,69 @@ HOST_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_host_load_seconds",
     f"{NAMESPACE}:kv_host_copy_failures_total",
 )
+# Present only with a disk or remote KV tier (--kv-disk-path, --kv-remote-url; docs/kv_tiers.md),
+# one series per tier (label `tier`: disk, remote).
+COLD_TIER_METRIC_NAMES = (
+    f"{NAMESPACE}:kv_tier_available",
+    f"{NAMESPACE}:kv_tier_blocks",
+    f"{NAMESPACE}:kv_tier_bytes_used",
+    f"{NAMESPACE}:kv_tier_capacity_bytes",
+    f"{NAMESPACE}:kv_tier_hit_tokens_total",
+    f"{NAMESPACE}:kv_tier_lookups_total",
+    f"{NAMESPACE}:kv_tier_bytes_total",
+    f"{NAMESPACE}:kv_tier_blocks_written_total",
+    f"{NAMESPACE}:kv_tier_writes_dropped_total",
+    f"{NAMESPACE}:kv_tier_write_queue_dropped_total",
+    f"{NAMESPACE}:kv_tier_evictions_total",
+    f"{NAMESPACE}:kv_tier_corrupt_total",
+    f"{NAMESPACE}:kv_tier_errors_total",
+)
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
     f"{NAMESPACE}:moe_expert_tokens_total",
     f"{NAMESPACE}:moe_expert_imbalance",
 )
+
+
+def _cold_tier_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """One series per disk / remote KV tier (label `tier`)."""
+    tier_labels = labels + ["tier"]
+
+    def family(kind: type, name: str, doc: str, value_of: Callable, extra: str = "") -> Metric:
+        metric = kind(f"{NAMESPACE}:{name}", doc, labels=tier_labels + ([extra] if extra else []))
+        for stats in snap.kv_cold:
+            for label, value in value_of(stats):
+                metric.add_metric(values + [stats.name] + ([label] if extra else []), value)
+        return metric
+
+    yield family(GaugeMetricFamily, "kv_tier_available", "1 while the tier answers and takes writes (0: the remote "
+                 "server is down, or the disk is full).", lambda t: [("", float(t.available))])
+    yield family(GaugeMetricFamily, "kv_tier_blocks", "KV blocks the tier holds (as far as this process knows).",
+                 lambda t: [("", t.entries)])
+    yield family(GaugeMetricFamily, "kv_tier_bytes_used", "Bytes the tier's blocks take (as far as this process "
+                 "knows).", lambda t: [("", t.used_bytes)])
+    yield family(GaugeMetricFamily, "kv_tier_capacity_bytes", "The tier's size cap (0: bounded by the store "
+                 "itself, e.g. Redis maxmemory).", lambda t: [("", t.capacity_bytes)])
+    yield family(CounterMetricFamily, "kv_tier_hit_tokens", "Prompt tokens loaded from the tier (checked) instead "
+                 "of computed.", lambda t: [("", snap.kv_cold_hit_tokens.get(t.name, 0))])
+    yield family(CounterMetricFamily, "kv_tier_lookups", "Blocks looked up in the tier, by result (hit: read; its "
+                 "checks are counted in kv_tier_corrupt).", lambda t: [("hit", t.hits), ("miss", t.misses)], "result")
+    yield family(CounterMetricFamily, "kv_tier_bytes", "Bytes read from and written to the tier.",
+                 lambda t: [("read", t.bytes_read), ("written", t.bytes_written)], "direction")
+    yield family(CounterMetricFamily, "kv_tier_blocks_written", "KV blocks written to the tier.",
+                 lambda t: [("", t.blocks_written)])
+    yield family(CounterMetricFamily, "kv_tier_writes_dropped", "Blocks the tier did not write: full, down, or "
+                 "over the tenant's quota.", lambda t: [("", t.writes_dropped)])
+    queue = CounterMetricFamily(f"{NAMESPACE}:kv_tier_write_queue_dropped", "Blocks not sent to the disk / remote "
+                                "tiers at all: their write queue was full.", labels=labels)
+    queue.add_metric(values, snap.kv_cold_writes_dropped)
+    yield queue
+    yield family(CounterMetricFamily, "kv_tier_evictions", "Blocks this process removed to stay under the size cap.",
+                 lambda t: [("", t.evictions)])
+    yield family(CounterMetricFamily, "kv_tier_corrupt", "Stored blocks that failed their checks (checksum, header, "
+                 "identity): misses, removed.", lambda t: [("", t.corrupt)])
+    yield family(CounterMetricFamily, "kv_tier_errors", "I/O or connection errors of the tier (each a miss or a "
+                 "dropped write).", lambda t: [("", t.errors)])
 
 
 class _EngineStateCollector:
@@ -169,6 +227,8 @@ class _EngineStateCollector:
             for event, value in (("out", host.swapped_out), ("in", host.swapped_in), ("failed", host.swap_failures)):
                 swaps.add_metric(values + [event], value)
             yield swaps
+        if snap.kv_cold:
+            yield from _cold_tier_metrics(snap, labels, values)
         yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Requests preempted (KV freed, recomputed later).",

@@ -11,8 +11,9 @@ import pytest
 
 from conftest import TEST_DEVICE, build_tiny_checkpoint
 from kvserve.engine.async_engine import EngineSnapshot
-from kvserve.obs.metrics import HOST_TIER_METRIC_NAMES, METRIC_NAMES, MOE_METRIC_NAMES, ServerMetrics
-from kvserve.stats import (AdaptivePolicyStats, EngineStats, ExpertLoadStats, HostTierStats, KVCacheStats,
+from kvserve.obs.metrics import (COLD_TIER_METRIC_NAMES, HOST_TIER_METRIC_NAMES, METRIC_NAMES, MOE_METRIC_NAMES,
+                                 ServerMetrics)
+from kvserve.stats import (AdaptivePolicyStats, ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats, KVCacheStats,
                            LatencyTargetStats, PrefixCacheStats, SchedulerStats, TransferStats)
 
 
@@ -164,3 +165,34 @@ def test_host_tier_metrics_come_from_the_kv_cache_stats():
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
     text = ServerMetrics(lambda: without, "m").render().decode()
     assert not any(name in text for name in HOST_TIER_METRIC_NAMES)
+
+
+def test_cold_tier_metrics_come_from_the_kv_cache_stats():
+    disk = ColdStoreStats("disk", True, entries=11, used_bytes=3500, capacity_bytes=1 << 20, hits=10, misses=2,
+                          bytes_read=3200, bytes_written=3500, blocks_written=11, writes_dropped=1, evictions=4,
+                          corrupt=1, errors=0)
+    remote = ColdStoreStats("remote", False, entries=5, used_bytes=1600, capacity_bytes=0, hits=3, misses=7,
+                            errors=2, writes_dropped=6)
+    kv = KVCacheStats(100, 60, 0.4, 1600, cold=(disk, remote), cold_writes_dropped=9,
+                      cold_hit_tokens={"disk": 40, "remote": 12})
+    stats = EngineStats(SchedulerStats(2, 1, 3), kv, 50, 20, {"stop": 4})
+    snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    text = ServerMetrics(lambda: snapshot, "m").render().decode()
+    samples = _samples(text)
+    assert all(name in text for name in COLD_TIER_METRIC_NAMES)
+    assert samples['kvserve:kv_tier_available{model_name="m",tier="disk"}'] == 1
+    assert samples['kvserve:kv_tier_available{model_name="m",tier="remote"}'] == 0
+    assert samples['kvserve:kv_tier_blocks{model_name="m",tier="disk"}'] == 11
+    assert samples['kvserve:kv_tier_capacity_bytes{model_name="m",tier="disk"}'] == 1 << 20
+    assert samples['kvserve:kv_tier_hit_tokens_total{model_name="m",tier="disk"}'] == 40
+    assert samples['kvserve:kv_tier_hit_tokens_total{model_name="m",tier="remote"}'] == 12
+    assert samples['kvserve:kv_tier_lookups_total{model_name="m",result="miss",tier="remote"}'] == 7
+    assert samples['kvserve:kv_tier_bytes_total{direction="read",model_name="m",tier="disk"}'] == 3200
+    assert samples['kvserve:kv_tier_writes_dropped_total{model_name="m",tier="remote"}'] == 6
+    assert samples['kvserve:kv_tier_evictions_total{model_name="m",tier="disk"}'] == 4
+    assert samples['kvserve:kv_tier_corrupt_total{model_name="m",tier="disk"}'] == 1
+    assert samples['kvserve:kv_tier_errors_total{model_name="m",tier="remote"}'] == 2
+    assert samples['kvserve:kv_tier_write_queue_dropped_total{model_name="m"}'] == 9
+    without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    text = ServerMetrics(lambda: without, "m").render().decode()
+    assert not any(name in text for name in COLD_TIER_METRIC_NAMES)
