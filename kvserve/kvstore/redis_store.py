@@ -216,20 +216,16 @@ class RedisStore:
             with self._lock:
                 self.writes_dropped += dropped
             return 0
-        # results: per item SET (and INCRBY with a quota), then one EXPIRE per namespace counter.
-        per_item = 2 if self.tenant_quota_bytes else 1
         written = nbytes = 0
         outage: Optional[BaseException] = None
-        for i, (_key, value, _namespace) in enumerate(todo):
-            result = results[i * per_item]
+        for (_key, value, _namespace), result in zip(todo, results):
             if result is True:
                 written += 1
                 nbytes += len(value)
                 continue
+            if result is None:
+                continue                        # already there: nothing to write
             dropped += 1
-            if isinstance(result, Exception) and not _is_oom(result):
-                outage = outage or result
-        for result in results[len(todo) * per_item:]:
             if isinstance(result, Exception) and not _is_oom(result):
                 outage = outage or result
         with self._lock:
@@ -260,6 +256,10 @@ class RedisStore:
         return todo
 
     def _write(self, items: Sequence[tuple[str, bytes, str]]) -> list[Any]:
+        """One pipeline of SET NX (a block already there is immutable: neither rewritten, nor its
+        TTL reset, nor charged to the quota again); with a quota, a second one charges the values
+        actually written. Returns the SETs' results (True written, None already there, or the
+        server's error for that command)."""
         expiry: dict[str, Any] = {}
         if self.ttl_s:
             if self.ttl_s.is_integer():
@@ -267,27 +267,35 @@ class RedisStore:
             else:
                 expiry = {"px": max(1, round(self.ttl_s * 1000))}
         pipe = self._client.pipeline(transaction=False)
-        counters: list[str] = []
-        for key, value, namespace in items:
-            pipe.set(key, value, **expiry)
-            if self.tenant_quota_bytes:
-                # kvserve's own accounting, shared by every replica on this Redis. It over-counts
-                # once Redis evicts data (maxmemory) before the counter expires: a namespace may be
-                # refused writes it would have room for, never granted more than its quota, which
-                # is the safe side. The counter expires with the data (refreshed on every write).
-                counter = quota_key(namespace)
-                pipe.incrby(counter, len(value))
-                if counter not in counters:
-                    counters.append(counter)
-        if expiry:
-            for counter in counters:
-                if "ex" in expiry:
-                    pipe.expire(counter, expiry["ex"])
-                else:
-                    pipe.pexpire(counter, expiry["px"])
+        for key, value, _namespace in items:
+            pipe.set(key, value, nx=True, **expiry)
         # Per-command errors come back in the list (a full server refuses SETs with OOM, which is
         # not an outage); a connection error or a timeout still raises.
-        return pipe.execute(raise_on_error=False)
+        results = pipe.execute(raise_on_error=False)
+        if self.tenant_quota_bytes:
+            self._charge([item for item, result in zip(items, results) if result is True], expiry)
+        return results
+
+    def _charge(self, written: Sequence[tuple[str, bytes, str]], expiry: dict[str, Any]) -> None:
+        # kvserve's own accounting, shared by every replica on this Redis. It over-counts once Redis
+        # evicts data (maxmemory) before the counter expires: a namespace may be refused writes it
+        # would have room for, never granted more than its quota, which is the safe side. The
+        # counter expires with the data (refreshed on every write).
+        if not written:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        counters: list[str] = []
+        for _key, value, namespace in written:
+            counter = quota_key(namespace)
+            pipe.incrby(counter, len(value))
+            if counter not in counters:
+                counters.append(counter)
+        for counter in counters:
+            if "ex" in expiry:
+                pipe.expire(counter, expiry["ex"])
+            elif "px" in expiry:
+                pipe.pexpire(counter, expiry["px"])
+        pipe.execute(raise_on_error=False)
 
     def discard(self, key: str) -> None:
         with self._lock:

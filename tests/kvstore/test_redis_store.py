@@ -95,6 +95,20 @@ def test_ttl_is_set_on_blocks_and_quota_counters(redis_server, stores):
     assert 29_000 <= client.pttl(key(9)) <= 30_500
 
 
+def test_a_block_already_stored_is_not_rewritten_nor_charged_again(redis_server, stores):
+    """A replica that recomputed a block another one stored: the SET is skipped (NX), so neither
+    the value, its TTL nor the namespace's quota counter changes."""
+    store = stores(redis_server.url, ttl_s=120, tenant_quota_bytes=10**9)
+    assert store.put_many([(key(1), value(1), "tenant-a")]) == 1
+    client = redis_server.client()
+    client.expire(key(1), 50)
+    other = stores(redis_server.url, ttl_s=120, tenant_quota_bytes=10**9)
+    assert other.put_many([(key(1), value(2), "tenant-a"), (key(2), value(2), "tenant-a")]) == 1
+    assert client.get(key(1)) == value(1) and client.ttl(key(1)) <= 50
+    assert int(client.get(quota_key("tenant-a"))) == len(value(1)) + len(value(2))
+    assert other.make_stats().writes_dropped == 0 and other.make_stats().blocks_written == 1
+
+
 def test_tenant_quota_drops_writes_past_it(redis_server, stores):
     size = len(value(0))
     store = stores(redis_server.url, tenant_quota_bytes=3 * size)
