@@ -96,6 +96,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        engine.flush_tiers()         # the last steps' blocks, down to disk / Redis before returning
         return [finished[request_id] for request_id in ids]
 
 

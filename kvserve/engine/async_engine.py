@@ -252,6 +252,8 @@ class AsyncEngine:
                 with self._cond:
                     # Idle: sleep until a command arrives rather than spinning on an empty engine.
                     while not self._commands and not engine.has_unfinished_requests():
+                        if engine.has_pending_tier_work:
+                            break                 # flushed below, before sleeping
                         self._cond.wait()
                     commands, self._commands = self._commands, []
                 for command in commands:
@@ -264,6 +266,8 @@ class AsyncEngine:
                     break
                 if engine.has_unfinished_requests():
                     self._step()
+                elif engine.has_pending_tier_work:
+                    engine.flush_tiers()          # the last steps' blocks, down to disk / Redis now
                 self._publish_snapshot()
         except BaseException as exc:  # a bug in this loop itself: fail everything, never hang callers
             logger.exception("engine thread crashed")

@@ -144,6 +144,11 @@ class ColdTierBridge:
     def num_held(self) -> int:
         return len(self._held)
 
+    @property
+    def has_pending_writes(self) -> bool:
+        """Host blocks not yet handed down (their copies queued, issued, or landing)."""
+        return bool(self._landing) or self.host_tier.has_unhanded_blocks
+
     def step(self, wait: bool = False) -> None:
         """At the start of each engine step: places finished prefetches in the host tier and
         releases their requests (and those past their wait); copies landed host writes down.
@@ -218,11 +223,12 @@ class ColdTierBridge:
                             for i, b in enumerate(ready)])
 
     def close(self) -> None:
+        """Hands what has landed down and waits for the writes (`Engine.flush_tiers` first issues
+        the copies still queued)."""
+        self.transfers.synchronize()
         self._persist_landed()
-        if self._landing:
-            self.transfers.synchronize()
-            self._landing = [(None, blocks) for _, blocks in self._landing]
-            self._persist_landed()
+        self._landing = [(None, blocks) for _, blocks in self._landing]     # landed: synchronized
+        self._persist_landed()
         self.tiers.close()
 
 

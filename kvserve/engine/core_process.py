@@ -41,6 +41,8 @@ logger = logging.getLogger("kvserve.engine_core")
 SNAPSHOT_INTERVAL_S = 0.1
 # poll timeout of an idle engine: how soon a SIGTERM is noticed when nothing else wakes the loop.
 IDLE_POLL_MS = 200
+# Idle while the cold KV tiers' writes drain: look again this often, so /metrics sees them land.
+DRAIN_POLL_MS = 20
 
 
 @dataclass
@@ -89,6 +91,7 @@ class EngineCore:
         self._num_step_errors = 0
         self._snapshot_sent_at = float("-inf")
         self._changed = True
+        self._was_draining = False
         self._utilities: dict[str, Callable[..., Any]] = {
             "pin_prefix": self._pin_prefix, "unpin_prefix": self._unpin_prefix, "list_pins": self._list_pins}
 
@@ -102,8 +105,9 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         while True:
-            busy = engine.has_unfinished_requests()
-            if not self._poll(0 if busy else IDLE_POLL_MS):
+            busy = engine.has_unfinished_requests() or engine.has_pending_tier_work
+            draining = not busy and engine.tier_writes_in_flight
+            if not self._poll(0 if busy else DRAIN_POLL_MS if draining else IDLE_POLL_MS):
                 return                                    # the launcher is gone
             if self._stopping and (not engine.has_unfinished_requests() or time.monotonic() >= self._drain_deadline):
                 self._abort_all("shutting_down", "the engine shut down before this request finished")
@@ -111,6 +115,12 @@ class EngineCore:
                 return
             if engine.has_unfinished_requests():
                 self._step()
+            elif engine.has_pending_tier_work:
+                engine.flush_tiers()             # the last steps' blocks, down to disk / Redis now
+                self._changed = True             # the tiers' counters moved: /metrics hears of it
+            elif draining or self._was_draining:
+                self._changed = True             # and once more after the last write landed
+            self._was_draining = draining
             self._maybe_send_snapshot()
 
     def _poll(self, timeout_ms: int) -> bool:

@@ -467,10 +467,38 @@ class Engine:
                               host_tier, self.host_store, self.runner.transfers, self.scheduler,
                               cache_cfg.kv_cold_max_wait, self.preemption_cost)
 
+    @property
+    def has_pending_tier_work(self) -> bool:
+        """Idle, but blocks computed by the last steps have not reached the disk / remote tiers yet:
+        the caller should `flush_tiers` rather than sleep (another replica, or a restart, would
+        miss them)."""
+        return self.cold is not None and (self.kv_manager.has_pending_copies or self.cold.has_pending_writes)
+
+    @property
+    def tier_writes_in_flight(self) -> bool:
+        """Blocks handed to the disk / remote tiers whose writes have not finished."""
+        return self.cold is not None and self.cold.tiers.writes_in_flight
+
+    def flush_tiers(self) -> None:
+        """Between requests: runs the block copies the last step queued (write-through of the
+        blocks it filled) and hands what has landed to the disk / remote tiers. Nothing runs on the
+        device meanwhile, so waiting for the copies costs no step."""
+        if self.cold is None or self._inflight is not None or self.has_unfinished_requests():
+            return
+        copies = self.kv_manager.take_block_copies()
+        if copies:
+            self.runner.run_block_copies(copies)
+        self.runner.transfers.synchronize()
+        self._collect_transfers()               # dropped write-backs leave the host index first
+        self.cold.step()                        # takes the issued blocks (their fence is recorded now)
+        self.runner.transfers.synchronize()
+        self.cold.step()                        # and hands them down, landed
+
     def close(self) -> None:
         """Hands what the host tier received to the cold tiers and waits for their writes (a
         restarted server finds them); a no-op without cold tiers."""
         if self.cold is not None:
+            self.flush_tiers()
             self.cold.close()
             self.cold = None
 

@@ -89,6 +89,11 @@ class HostTier:
         blocks, self._issued_blocks = self._issued_blocks, []
         return blocks
 
+    @property
+    def has_unhanded_blocks(self) -> bool:
+        """Blocks stored (with `record_writes`) that `take_issued_blocks` has not handed on yet."""
+        return bool(self._new_blocks or self._issued_blocks)
+
     def holds_at(self, host_id: int, block_hash: bytes) -> bool:
         """Whether host block `host_id` still holds the cached block `block_hash` (it was neither
         evicted, forgotten nor reused since it was stored)."""

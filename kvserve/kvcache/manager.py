@@ -199,6 +199,11 @@ class KVCacheManager:
             self._cache_states[request_id] = state
         return True
 
+    @property
+    def has_pending_copies(self) -> bool:
+        """Copies queued since the last `take_block_copies` (an idle engine still owes them)."""
+        return bool(self._pending_copies)
+
     def take_block_copies(self) -> list[BlockCopy]:
         """The copies this step's allocations need, in the order they must run."""
         copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket,

@@ -161,6 +161,11 @@ class ColdTiers:
             with self._lock:
                 self._pending_writes -= len(blocks)
 
+    @property
+    def writes_in_flight(self) -> bool:
+        with self._lock:
+            return self._pending_writes > 0
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Waits until every queued write is done (shutdown, tests); False on timeout."""
         deadline = time.monotonic() + timeout_s
