@@ -273,7 +273,12 @@ class RedisStore:
         # not an outage); a connection error or a timeout still raises.
         results = pipe.execute(raise_on_error=False)
         if self.tenant_quota_bytes:
-            self._charge([item for item, result in zip(items, results) if result is True], expiry)
+            try:
+                self._charge([item for item, result in zip(items, results) if result is True], expiry)
+            except _OUTAGE_ERRORS as exc:
+                # The values were written; only their charge is lost (the counter under-counts by
+                # them): an outage for what follows, not dropped writes.
+                self._failed(exc)
         return results
 
     def _charge(self, written: Sequence[tuple[str, bytes, str]], expiry: dict[str, Any]) -> None:
