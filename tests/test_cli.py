@@ -65,6 +65,27 @@ def test_bench_reports_the_host_tier(tiny_checkpoint, tmp_path):
     assert host["num_blocks"] > 0 and set(host) >= {"hit_tokens", "blocks_written", "blocks_loaded", "swapped_out"}
 
 
+def test_bench_reports_the_cold_tiers_hits_by_tier(tiny_checkpoint, tmp_path):
+    """With --kv-disk-path, each point's JSON carries the disk tier's counters and its hit tokens; a
+    second bench on the same directory (a restart) finds the first one's blocks."""
+    import gc
+    folder, _ = tiny_checkpoint
+    points = []
+    for run in range(2):
+        out = tmp_path / f"bench{run}.json"
+        try:
+            assert main(["bench", "--model", folder, "--device", TEST_DEVICE, "--batch-sizes", "2", "--input-len",
+                         "40", "--output-len", "4", "--block-size", "4", "--kv-cache-memory", "4MiB",
+                         "--kv-host-memory", "1MiB", "--kv-disk-path", str(tmp_path / "kv"), "--kv-disk-size",
+                         "64MiB", "--json", str(out)]) == 0
+        finally:
+            gc.unfreeze()
+        points.append(json.loads(out.read_text())["points"][0]["extra"])
+    (disk,) = points[0]["kv_tiers"]
+    assert disk["name"] == "disk" and disk["blocks_written"] > 0
+    assert points[1]["kv_tier_hit_tokens"].get("disk", 0) > 0
+
+
 @requires_default_model
 def test_generate_default_model_subprocess():
     proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "What is the capital of France?",

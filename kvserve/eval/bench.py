@@ -83,6 +83,11 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
     if kv_stats.host is not None:      # the host KV tier (--kv-host-memory): its totals since the engine started
         extra["kv_host"] = asdict(kv_stats.host)
         extra["kv_transfers"] = asdict(kv_stats.transfers)
+    if kv_stats.cold:                  # the disk / remote KV tiers: hits by tier, and each store's totals
+        extra["kv_tier_hit_tokens"] = dict(kv_stats.cold_hit_tokens)
+        extra["kv_tiers"] = [asdict(store) for store in kv_stats.cold]
+        print(f"  KV tiers (batch {batch_size}): hit tokens " + ", ".join(
+            f"{store.name} {kv_stats.cold_hit_tokens.get(store.name, 0)}" for store in kv_stats.cold), flush=True)
     expert_load = engine.expert_load()
     if expert_load is not None:
         extra["expert_load"] = expert_load.as_dict()
