@@ -83,6 +83,9 @@ class KVCacheStats:
     cold: tuple[ColdStoreStats, ...] = ()       # the tiers below the host, in lookup order
     cold_writes_dropped: int = 0                # blocks not sent down: the write queue was full
     cold_hit_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens it supplied (checked)
+    # Prefetches on arrival by outcome: found (some blocks came up), missed (none), timed_out (the
+    # request stopped waiting), skipped (reading measured slower than computing).
+    cold_prefetches: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

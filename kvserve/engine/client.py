@@ -60,6 +60,7 @@ class EngineSnapshot:
     kv_cold: tuple[ColdStoreStats, ...] = ()          # the disk / remote KV tiers (none: off)
     kv_cold_hit_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens it supplied
     kv_cold_writes_dropped: int = 0                   # blocks not sent down: the write queue was full
+    kv_cold_prefetches: dict[str, int] = field(default_factory=dict)   # outcome -> prefetches on arrival
 
     @property
     def num_used_blocks(self) -> int:
@@ -87,7 +88,8 @@ class EngineSnapshot:
                    num_step_errors_total=num_step_errors, requests_finished_total=dict(stats.requests_finished_total),
                    prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
                    kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
-                   kv_cold_writes_dropped=kv.cold_writes_dropped, **latency)
+                   kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
+                   **latency)
 
 
 @dataclass

@@ -192,6 +192,11 @@ class ColdTierBridge:
                 self.blocks_installed += len(host_ids)
         self._release(read.request_id)
 
+    def prefetch_outcomes(self) -> dict[str, int]:
+        tiers = self.tiers
+        return {"found": tiers.prefetch_hits, "missed": tiers.prefetches_done - tiers.prefetch_hits,
+                "timed_out": self.prefetch_timeouts, "skipped": self.prefetch_skipped}
+
     def _release(self, request_id: str) -> None:
         if self._held.pop(request_id, None) is not None:
             self.scheduler.end_prefetch(request_id)

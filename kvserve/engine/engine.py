@@ -640,7 +640,8 @@ class Engine:
         if self.cold is not None:
             kv_stats = dataclasses.replace(kv_stats, cold=self.cold.tiers.make_stats(),
                                            cold_writes_dropped=self.cold.tiers.writes_dropped,
-                                           cold_hit_tokens=dict(self.cold.hit_tokens))
+                                           cold_hit_tokens=dict(self.cold.hit_tokens),
+                                           cold_prefetches=self.cold.prefetch_outcomes())
         return EngineStats(self.scheduler.make_stats(), kv_stats, counters.prompt_tokens_total,
                            counters.generation_tokens_total, dict(counters.requests_finished_total),
                            prefix_cache=prefix_stats, expert_load=self._expert_load_stats())

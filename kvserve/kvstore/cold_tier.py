@@ -57,14 +57,12 @@ class ColdTiers:
         self._pending_writes = 0
         self.max_pending_writes = max_pending_writes
         self.writes_dropped = 0
-        self.prefetches = self.prefetch_hits = 0
+        self.prefetches_done = self.prefetch_hits = 0
 
     # --- reads --------------------------------------------------------------------------------------
     def prefetch(self, request_id: str, identities: Sequence[BlockIdentity]) -> None:
         """Starts reading the blocks of `identities` (a prefix, in order) on a worker thread; the
         result arrives through `poll`, also when nothing was found."""
-        with self._lock:
-            self.prefetches += 1
         self._reads.submit(self._read, request_id, list(identities))
 
     def _read(self, request_id: str, identities: list[BlockIdentity]) -> None:
@@ -74,9 +72,9 @@ class ColdTiers:
         except Exception:                      # a bug, not a store fault (stores never raise): a miss
             logger.exception("cold KV tier: prefetch of %d blocks failed", len(identities))
             payloads, sources = [], []
-        if payloads:
-            with self._lock:
-                self.prefetch_hits += 1
+        with self._lock:
+            self.prefetches_done += 1
+            self.prefetch_hits += bool(payloads)
         self._done.put(ColdRead(request_id, identities[:len(payloads)], payloads, sources,
                                 time.perf_counter() - started))
 

@@ -106,6 +106,7 @@ COLD_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_tier_blocks_written_total",
     f"{NAMESPACE}:kv_tier_writes_dropped_total",
     f"{NAMESPACE}:kv_tier_write_queue_dropped_total",
+    f"{NAMESPACE}:kv_tier_prefetches_total",
     f"{NAMESPACE}:kv_tier_evictions_total",
     f"{NAMESPACE}:kv_tier_corrupt_total",
     f"{NAMESPACE}:kv_tier_errors_total",
@@ -150,6 +151,13 @@ def _cold_tier_metrics(snap: EngineSnapshot, labels: list[str], values: list[str
                                 "tiers at all: their write queue was full.", labels=labels)
     queue.add_metric(values, snap.kv_cold_writes_dropped)
     yield queue
+    prefetches = CounterMetricFamily(f"{NAMESPACE}:kv_tier_prefetches", "Prefix lookups in the disk / remote "
+                                     "tiers on a request's arrival, by outcome: found (blocks came up), missed, "
+                                     "timed_out (the request stopped waiting: a slow tier), skipped (reading "
+                                     "measured slower than computing).", labels=labels + ["outcome"])
+    for outcome in ("found", "missed", "timed_out", "skipped"):
+        prefetches.add_metric(values + [outcome], snap.kv_cold_prefetches.get(outcome, 0))
+    yield prefetches
     yield family(CounterMetricFamily, "kv_tier_evictions", "Blocks this process removed to stay under the size cap.",
                  lambda t: [("", t.evictions)])
     yield family(CounterMetricFamily, "kv_tier_corrupt", "Stored blocks that failed their checks (checksum, header, "

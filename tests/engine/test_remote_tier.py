@@ -64,6 +64,7 @@ def test_a_second_replica_hits_the_first_ones_prefix(folder, cold_tokens, redis)
         assert _tokens(second, PROMPT) == cold_tokens
         assert _remote_hit_tokens(second) == 10 * BLOCK
         assert second.engine.make_stats().kv_cache.host.hit_tokens == 10 * BLOCK
+        assert second.engine.make_stats().kv_cache.cold_prefetches["found"] == 1
     finally:
         first.close()
         second.close()
@@ -114,6 +115,8 @@ def test_a_dead_server_costs_misses_within_the_wait_and_comes_back(folder, cold_
         assert time.monotonic() - started < 5.0
         remote = _remote(replica)
         assert not remote.available and remote.errors >= 1 and _remote_hit_tokens(replica) == 0
+        outcomes = replica.engine.make_stats().kv_cache.cold_prefetches
+        assert outcomes["missed"] >= 1 and outcomes["found"] == 0
         redis.restart()                         # an empty server: the replica writes again by itself
         deadline, shift = time.monotonic() + 15, 0
         while time.monotonic() < deadline:

@@ -174,7 +174,7 @@ def test_cold_tier_metrics_come_from_the_kv_cache_stats():
     remote = ColdStoreStats("remote", False, entries=5, used_bytes=1600, capacity_bytes=0, hits=3, misses=7,
                             errors=2, writes_dropped=6)
     kv = KVCacheStats(100, 60, 0.4, 1600, cold=(disk, remote), cold_writes_dropped=9,
-                      cold_hit_tokens={"disk": 40, "remote": 12})
+                      cold_hit_tokens={"disk": 40, "remote": 12}, cold_prefetches={"found": 3, "timed_out": 1})
     stats = EngineStats(SchedulerStats(2, 1, 3), kv, 50, 20, {"stop": 4})
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
     text = ServerMetrics(lambda: snapshot, "m").render().decode()
@@ -193,6 +193,9 @@ def test_cold_tier_metrics_come_from_the_kv_cache_stats():
     assert samples['kvserve:kv_tier_corrupt_total{model_name="m",tier="disk"}'] == 1
     assert samples['kvserve:kv_tier_errors_total{model_name="m",tier="remote"}'] == 2
     assert samples['kvserve:kv_tier_write_queue_dropped_total{model_name="m"}'] == 9
+    assert samples['kvserve:kv_tier_prefetches_total{model_name="m",outcome="found"}'] == 3
+    assert samples['kvserve:kv_tier_prefetches_total{model_name="m",outcome="timed_out"}'] == 1
+    assert samples['kvserve:kv_tier_prefetches_total{model_name="m",outcome="missed"}'] == 0
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
     text = ServerMetrics(lambda: without, "m").render().decode()
     assert not any(name in text for name in COLD_TIER_METRIC_NAMES)
