@@ -33,6 +33,15 @@ class FakeEngine:
         self.stats = SimpleNamespace(prompt_tokens_total=0, generation_tokens_total=0, requests_finished_total={})
         self.scheduler = SimpleNamespace(num_preemptions_total=0, slo=None)
 
+    # No KV tiers below the host: nothing to hand down between requests, nothing to finish at close.
+    has_pending_tier_work = False
+
+    def flush_tiers(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._touch()
+
     def make_stats(self) -> EngineStats:
         kv, stats = self.kv_manager, self.stats
         return EngineStats(SchedulerStats(len(self.requests), 0, 0),
