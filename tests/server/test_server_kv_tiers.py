@@ -307,7 +307,8 @@ def test_every_cold_tier_series_is_exported(cold, disk_restart, replicas):
     disk_text = httpx.get(disk_restart["second_server"].url + "/metrics", timeout=10).text
     remote_text = httpx.get(replicas[0].url + "/metrics", timeout=10).text
     for name in COLD_TIER_METRIC_NAMES:
-        if name == "kvserve:kv_tier_write_queue_dropped_total":     # one queue for all tiers: no tier label
+        # One write queue and one prefetch per request for all tiers: no tier label.
+        if name in ("kvserve:kv_tier_write_queue_dropped_total", "kvserve:kv_tier_prefetches_total"):
             _metric_in(disk_text, name)
             _metric_in(remote_text, name)
             continue
