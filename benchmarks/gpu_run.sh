@@ -2,7 +2,7 @@
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
-#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn]
+#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn] [coldtiers]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -116,4 +116,13 @@ fi
 if [[ $what == *" multiturn "* ]]; then   # multi-turn chat, working set 4x the GPU KV: host tier against none
   timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b --out "$OUT/h200_multiturn_qwen7b.json" \
     2>&1 | tail -12 | tee "$OUT/gpu_multiturn.log"
+fi
+if [[ $what == *" coldtiers "* ]]; then   # a 32k prefix from the disk and Redis tiers against computing it
+  # redis-server: the one on PATH, or a carried binary at .redis/redis-server (with its libraries
+  # in .redis/lib); without either, the remote tier is skipped.
+  redis=$(command -v redis-server || true)
+  [[ -z $redis && -x .redis/redis-server ]] && redis=$PWD/.redis/redis-server && export LD_LIBRARY_PATH=$PWD/.redis/lib
+  timeout 500 python3 benchmarks/kv/cold_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --prefix-tokens 32768 --kv-cache-memory 8GiB --kv-host-memory 16GiB --kv-disk-size 32GiB \
+    ${redis:+--redis-server "$redis"} --json "$OUT/h200_cold_tiers_qwen7b_32k.json" 2>&1 | tail -8 | tee "$OUT/gpu_cold_tiers.log"
 fi

@@ -1,0 +1,165 @@
+"""TTFT of a long token-id prefix from the disk and the remote (Redis) KV tier against computing it,
+next to each tier's read bandwidth; for random-weight shapes without a tokenizer (the H200 run of
+the Qwen-7B shape), where benchmarks/kv/cold_tier_bench.py (chat prompts) cannot run.
+
+    python benchmarks/kv/cold_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \\
+        --dtype bfloat16 --prefix-tokens 32768 --kv-cache-memory 8GiB --kv-host-memory 16GiB \\
+        [--redis-server /path/to/redis-server] --json OUT.json
+
+Engines, one after another in this process (each closed before the next starts):
+  fill     host + disk (+ Redis): computes each prefix once (`cold`: its TTFT), writing it down;
+  disk     host + disk, a restart: each prefix again (`disk`: TTFT, the prefix from the files);
+  remote   host + Redis, another replica: each prefix again (`remote`: TTFT, from Redis).
+Every prefix is new to the engine that measures it (its own random tokens per repetition), and each
+hit case records the tokens each tier supplied. The bandwidth is a direct `get_many` of one prefix's
+blocks from each store (the disk's files evicted from the page cache first where the OS allows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.config import _parse_bytes  # noqa: E402
+
+
+def _ttft(llm: LLM, prompt: list[int]) -> float:
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return time.perf_counter() - started
+
+
+def _hit_tokens(llm: LLM) -> dict:
+    stats = llm.engine.make_stats().kv_cache
+    return {"host": stats.host.hit_tokens if stats.host else 0, **stats.cold_hit_tokens}
+
+
+def _evict_page_cache(directory: str) -> bool:
+    """posix_fadvise(DONTNEED) on every block file: the next read comes from the device."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    os.sync()                       # dirty pages (fresh writes) are not dropped
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return True
+
+
+def _read_bandwidth(store, keys: list[str]) -> dict:
+    started = time.perf_counter()
+    values = store.get_many(keys)
+    seconds = time.perf_counter() - started
+    nbytes = sum(len(v) for v in values if v is not None)
+    return {"blocks": sum(v is not None for v in values), "bytes": nbytes, "seconds": round(seconds, 4),
+            "GB_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None}
+
+
+def _prefix_keys(llm: LLM, prompt: list[int]) -> list[str]:
+    from kvserve.kvcache.prefix_cache import chain_hashes, namespace_root
+    from kvserve.kvstore.cold_block import BlockIdentity
+    cold, block = llm.engine.cold, llm.engine.config.cache_config.block_size
+    namespace = llm.engine.prefix.namespace(None, None)
+    hashes = chain_hashes(namespace_root(namespace), prompt, block)
+    parents = [namespace_root(namespace)] + hashes[:-1]
+    return [cold.tiers.key_of(BlockIdentity(cold.fingerprint, cold.kv_format, block, namespace, h, p,
+                                            tuple(prompt[i * block:(i + 1) * block])))
+            for i, (h, p) in enumerate(zip(hashes, parents))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prefix-tokens", type=int, default=32768)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", default="8GiB")
+    parser.add_argument("--kv-host-memory", default="16GiB")
+    parser.add_argument("--kv-disk-size", default="64GiB")
+    parser.add_argument("--dir", default=None, help="the disk tier's directory (default: a temporary one)")
+    parser.add_argument("--redis-server", default=shutil.which("redis-server"),
+                        help="a redis-server binary for the remote tier (default: the one on PATH; none: skipped)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    work = tempfile.mkdtemp(prefix="kvserve-cold-load-")
+    disk = args.dir or os.path.join(work, "disk")
+    redis = None
+    if args.redis_server:
+        import redis_fixture
+        redis_fixture.REDIS_SERVER = os.path.abspath(args.redis_server)
+        os.makedirs(os.path.join(work, "redis"))
+        redis = redis_fixture.RedisServer(os.path.join(work, "redis"))        # started, on a free port
+    common = dict(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                  kv_cache_memory=_parse_bytes(args.kv_cache_memory), kv_host_memory=_parse_bytes(args.kv_host_memory),
+                  kv_cold_max_wait=30.0)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 1000) for _ in range(args.prefix_tokens)] for _ in range(args.repeats)]
+    results: dict = {"command": "python " + " ".join(sys.argv), "prefix_tokens": args.prefix_tokens,
+                     "repeats": args.repeats, "cases": {}}
+    try:
+        fill_options = dict(common, kv_disk_path=disk, kv_disk_size=_parse_bytes(args.kv_disk_size))
+        if redis is not None:
+            fill_options["kv_remote_url"] = redis.url
+        with LLM(**fill_options) as llm:
+            _ttft(llm, [rng.randrange(10, 1000) for _ in range(512)])        # warm-up (compilation)
+            results["cases"]["cold"] = [_ttft(llm, p) for p in prompts]
+            keys = _prefix_keys(llm, prompts[0])
+            results["kv_bytes_per_token"] = llm.engine.kv_bytes_per_token
+        cases = [("disk", dict(common, kv_disk_path=disk, kv_disk_size=_parse_bytes(args.kv_disk_size)))]
+        if redis is not None:
+            cases.append(("remote", dict(common, kv_remote_url=redis.url)))
+        for name, options in cases:
+            with LLM(**options) as llm:
+                _ttft(llm, [rng.randrange(10, 1000) for _ in range(512)])
+                store = llm.engine.cold.tiers.stores[0]
+                evicted = name == "disk" and _evict_page_cache(disk)
+                results[f"{name}_read"] = dict(_read_bandwidth(store, keys), page_cache_evicted=evicted)
+                times, hits = [], []
+                for prompt in prompts:
+                    if name == "disk":
+                        _evict_page_cache(disk)
+                    before = _hit_tokens(llm)
+                    times.append(_ttft(llm, prompt))
+                    after = _hit_tokens(llm)
+                    hits.append({tier: after[tier] - before.get(tier, 0) for tier in after})
+                results["cases"][name] = times
+                results[f"{name}_hit_tokens"] = hits
+    finally:
+        if redis is not None:
+            redis.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    cold = statistics.median(results["cases"]["cold"])
+    print(f"{'case':<8} {'TTFT median':>12} {'min':>9} {'cold / this':>12}")
+    for name, times in results["cases"].items():
+        median = statistics.median(times)
+        print(f"{name:<8} {median * 1e3:10.1f} ms {min(times) * 1e3:7.1f} ms {cold / median:11.2f}x")
+    for name in ("disk", "remote"):
+        if f"{name}_read" in results:
+            print(f"{name} read: {results[f'{name}_read']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
