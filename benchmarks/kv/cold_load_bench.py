@@ -12,7 +12,7 @@ Engines, one after another in this process (each closed before the next starts):
   remote   host + Redis, another replica: each prefix again (`remote`: TTFT, from Redis).
 Every prefix is new to the engine that measures it (its own random tokens per repetition), and each
 hit case records the tokens each tier supplied. The bandwidth is a direct `get_many` of one prefix's
-blocks from each store (the disk's files evicted from the page cache first where the OS allows).
+blocks from each store (the disk's files evicted from the page cache first).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+from benchmarks.kv.page_cache import block_files, evict_page_cache  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import _parse_bytes  # noqa: E402
 
@@ -46,21 +47,6 @@ def _hit_tokens(llm: LLM) -> dict:
     return {"host": stats.host.hit_tokens if stats.host else 0, **stats.cold_hit_tokens}
 
 
-def _evict_page_cache(directory: str) -> bool:
-    """posix_fadvise(DONTNEED) on every block file: the next read comes from the device."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    os.sync()                       # dirty pages (fresh writes) are not dropped
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return True
-
-
 def _read_bandwidth(store, keys: list[str]) -> dict:
     started = time.perf_counter()
     values = store.get_many(keys)
@@ -71,15 +57,8 @@ def _read_bandwidth(store, keys: list[str]) -> dict:
 
 
 def _prefix_keys(llm: LLM, prompt: list[int]) -> list[str]:
-    from kvserve.kvcache.prefix_cache import chain_hashes, namespace_root
-    from kvserve.kvstore.cold_block import BlockIdentity
-    cold, block = llm.engine.cold, llm.engine.config.cache_config.block_size
-    namespace = llm.engine.prefix.namespace(None, None)
-    hashes = chain_hashes(namespace_root(namespace), prompt, block)
-    parents = [namespace_root(namespace)] + hashes[:-1]
-    return [cold.tiers.key_of(BlockIdentity(cold.fingerprint, cold.kv_format, block, namespace, h, p,
-                                            tuple(prompt[i * block:(i + 1) * block])))
-            for i, (h, p) in enumerate(zip(hashes, parents))]
+    cold = llm.engine.cold
+    return [cold.tiers.key_of(identity) for identity in cold.identities(llm.engine.prefix.namespace(None, None), prompt)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,12 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             with LLM(**options) as llm:
                 _ttft(llm, [rng.randrange(10, 1000) for _ in range(512)])
                 store = llm.engine.cold.tiers.stores[0]
-                evicted = name == "disk" and _evict_page_cache(disk)
-                results[f"{name}_read"] = dict(_read_bandwidth(store, keys), page_cache_evicted=evicted)
+                if name == "disk":
+                    evict_page_cache(block_files(disk))
+                results[f"{name}_read"] = _read_bandwidth(store, keys)
                 times, hits = [], []
                 for prompt in prompts:
                     if name == "disk":
-                        _evict_page_cache(disk)
+                        evict_page_cache(block_files(disk))
                     before = _hit_tokens(llm)
                     times.append(_ttft(llm, prompt))
                     after = _hit_tokens(llm)

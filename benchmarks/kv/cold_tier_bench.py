@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import platform
@@ -63,6 +62,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from benchmarks.kv.page_cache import block_files, evict_page_cache, load_page_cache, resident_fraction  # noqa: E402
 from kvserve.config import _parse_bytes  # noqa: E402
 from kvserve.eval.timing import now  # noqa: E402
 
@@ -145,49 +145,6 @@ def settle(llm) -> None:
 
 def gpu_cached_tokens(llm, prompt_ids: list[int], salt: str) -> int:
     return llm.engine.estimate_cached_prompt_tokens(prompt_ids, cache_salt=salt)
-
-
-# --------------------------------------------------------------------------------------------------
-# page cache
-# --------------------------------------------------------------------------------------------------
-
-def block_files(disk_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(disk_dir, "*", "*.kvb")))
-
-
-def evict_page_cache(paths: list[str]) -> None:
-    os.sync()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def load_page_cache(paths: list[str]) -> None:
-    for path in paths:
-        with open(path, "rb") as f:
-            while f.read(1 << 22):
-                pass
-
-
-def resident_fraction(paths: list[str]) -> Optional[float]:
-    """Fraction of the files' bytes in the page cache (util-linux fincore), None without it."""
-    if not paths or shutil.which("fincore") is None:
-        return None
-    resident = total = 0
-    for start in range(0, len(paths), 200):
-        done = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE",
-                               *paths[start:start + 200]], capture_output=True, text=True)
-        if done.returncode:
-            return None
-        for line in done.stdout.split("\n"):
-            if line.strip():
-                res, size = line.split()
-                resident += int(res)
-                total += int(size)
-    return resident / total if total else None
 
 
 # --------------------------------------------------------------------------------------------------

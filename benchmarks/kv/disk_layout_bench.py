@@ -51,6 +51,7 @@ from typing import Callable, Optional
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, ROOT)
 
+from benchmarks.kv.page_cache import drop_caches, resident_fraction  # noqa: E402
 from kvserve.eval.timing import now  # noqa: E402
 
 DEFAULT_BLOCK_BYTES = 16 * 46080          # SmolLM2-135M-Instruct, fp32 KV: 46,080 bytes per token, 16-token blocks
@@ -59,45 +60,6 @@ POOL = 64
 
 def key_of(i: int) -> str:
     return f"{(i * 0x9E3779B97F4A7C15) & (2**64 - 1):016x}{i:08x}"
-
-
-# --------------------------------------------------------------------------------------------------
-# page cache
-# --------------------------------------------------------------------------------------------------
-
-def drop_caches(paths: list[str]) -> str:
-    """Empties the page cache of `paths`: drop_caches (also the dentry / inode caches) or fadvise."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "fadvise"
-
-
-def resident_fraction(paths: list[str]) -> Optional[float]:
-    if not paths or shutil.which("fincore") is None:
-        return None
-    resident = total = 0
-    for start in range(0, len(paths), 500):
-        done = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES,SIZE",
-                               *paths[start:start + 500]], capture_output=True, text=True)
-        if done.returncode:
-            return None
-        for line in done.stdout.split("\n"):
-            if line.strip():
-                res, size = line.split()
-                resident += int(res)
-                total += int(size)
-    return round(resident / total, 4) if total else None
 
 
 # --------------------------------------------------------------------------------------------------

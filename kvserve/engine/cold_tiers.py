@@ -26,17 +26,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
 from kvserve.kvcache.host_tier import HostBlock, HostTier
-from kvserve.kvcache.prefix_cache import namespace_root
+from kvserve.kvcache.prefix_cache import chain_hashes, namespace_root
 from kvserve.kvstore.cold_block import BlockIdentity
 from kvserve.kvstore.cold_tier import ColdRead, ColdTiers
 from kvserve.kvstore.disk_store import DiskStore
+from kvserve.sched.preemption_cost import smooth
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _FINGERPRINT_PROBE = 1 << 20        # bytes hashed at each end of a weight file
-_SMOOTHING = 0.2
 
 
 def model_fingerprint(config: "EngineConfig", hf_config_dict: dict, path: str) -> str:
@@ -119,18 +119,24 @@ class ColdTierBridge:
         if self._not_worth_it(num_tokens):
             self.prefetch_skipped += 1
             return False
-        hashes = request.block_hashes
-        parent = hashes[first - 1] if first else namespace_root(request.cache_namespace)
-        identities = []
-        tokens = request.prompt_token_ids
-        for index in range(first, last):
-            identities.append(BlockIdentity(self.fingerprint, self.kv_format, self.block_size,
-                                            request.cache_namespace, hashes[index], parent,
-                                            tuple(tokens[index * self.block_size:(index + 1) * self.block_size])))
-            parent = hashes[index]
+        identities = self.identities(request.cache_namespace, request.prompt_token_ids, request.block_hashes,
+                                     first, last)
         self.tiers.prefetch(request.request_id, identities)
         self._held[request.request_id] = _Held(request, time.monotonic() + self.max_wait_s, num_tokens)
         return True
+
+    def identities(self, namespace: str, token_ids: Sequence[int], hashes: Optional[Sequence[bytes]] = None,
+                   first: int = 0, last: Optional[int] = None) -> list[BlockIdentity]:
+        """What full blocks `first` .. `last` (default: all) of `token_ids` are stored as in the
+        cold tiers; `hashes`: their chained hashes where known (computed otherwise)."""
+        root = namespace_root(namespace)
+        if hashes is None:
+            hashes = chain_hashes(root, token_ids, self.block_size)
+        last = len(hashes) if last is None else last
+        bs = self.block_size
+        return [BlockIdentity(self.fingerprint, self.kv_format, bs, namespace, hashes[index],
+                              hashes[index - 1] if index else root, tuple(token_ids[index * bs:(index + 1) * bs]))
+                for index in range(first, last)]
 
     def _not_worth_it(self, num_tokens: int) -> bool:
         """Measured: reading these tokens' blocks would take longer than computing them."""
@@ -172,9 +178,7 @@ class ColdTierBridge:
         if read.payloads:
             nbytes = sum(len(p) for p in read.payloads)
             if read.seconds > 0:
-                rate = nbytes / read.seconds
-                self.read_bytes_per_s = rate if self.read_bytes_per_s is None else (
-                    (1 - _SMOOTHING) * self.read_bytes_per_s + _SMOOTHING * rate)
+                self.read_bytes_per_s = smooth(self.read_bytes_per_s, nbytes / read.seconds)
             host_ids, payloads = [], []
             for identity, payload, source in zip(read.identities, read.payloads, read.sources):
                 host_id = self.host_tier.store(identity.block_hash, identity.parent_hash, identity.token_ids,

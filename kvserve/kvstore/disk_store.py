@@ -108,7 +108,9 @@ class DiskStore:
             self._index.update(known)         # written or read since start: more recent
             self._used = sum(self._index.values())
             self.corrupt += removed
-            self._evict_locked(0)
+            victims = self._evict_locked(0)     # an earlier run under a larger cap
+        for victim in victims:
+            self._remove(self.file_of(victim))
         if found or removed:
             logger.info("disk KV tier at %s: %d blocks (%.1f MiB) from an earlier run, %d unreadable removed",
                         self.path, len(found), sum(size for _, _, size in found) / 2**20, removed)
@@ -212,10 +214,6 @@ class DiskStore:
             self._used -= size
             self.evictions += 1
             victims.append(key)
-        if victims and incoming == 0:           # from the scan: remove here (no writer waits)
-            for key in victims:
-                self._remove(self.file_of(key))
-            return []
         return victims
 
     def discard(self, key: str) -> None:

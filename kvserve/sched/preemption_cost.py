@@ -30,11 +30,11 @@ class PreemptionCost:
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
-            self.transfer_bytes_per_s = _smooth(self.transfer_bytes_per_s, nbytes / seconds)
+            self.transfer_bytes_per_s = smooth(self.transfer_bytes_per_s, nbytes / seconds)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tokens_per_s = _smooth(self.prefill_tokens_per_s, num_tokens / seconds)
+            self.prefill_tokens_per_s = smooth(self.prefill_tokens_per_s, num_tokens / seconds)
 
     def swap_seconds(self, num_tokens: int) -> Optional[float]:
         if not self.transfer_bytes_per_s:
@@ -58,5 +58,6 @@ class PreemptionCost:
         return choice
 
 
-def _smooth(current: Optional[float], value: float) -> float:
+def smooth(current: Optional[float], value: float) -> float:
+    """A moving average of measured rates (the first value as it is)."""
     return value if current is None else (1 - SMOOTHING) * current + SMOOTHING * value

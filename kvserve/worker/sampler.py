@@ -265,33 +265,27 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  eos_token_ids: set[int]) -> SampleResult:
+        """`select`, then the tokens and logprobs read on the host."""
+        if not rows and logits.dim() == 2 and logits.shape[0] == 0:
+            return SampleResult(token_ids=[], logprobs=[], ranks=[])
+        token_ids, logprobs = self.select(logits, rows, eos_token_ids)
+        entries, ranks = logprobs.entries(rows) if logprobs is not None else ([None] * len(rows), [None] * len(rows))
+        return SampleResult(token_ids=token_ids.tolist(), logprobs=entries, ranks=ranks)
+
+    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]
+               ) -> tuple[torch.Tensor, Optional[LogprobTensors]]:
+        """Token ids [rows] and the logprobs asked for, left on the device. Penalties read the
+        rows' token history on the host; a batch without them needs nothing from the host, so the
+        overlapped scheduler launches it before the previous step's tokens are known (logprobs
+        come from this step's logits alone, so they may be read later)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
-        if not rows:
-            return SampleResult(token_ids=[], logprobs=[], ranks=[])
         logits = logits.float()
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = self._raw_logprobs(logits, logprob_rows)
         logits = apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids))
-        logits = self._apply_penalties(logits, rows)
-        token_ids = self._select_tokens(logits, rows)
-        if raw_logprobs is None:
-            return SampleResult(token_ids=token_ids.tolist(), logprobs=[None] * len(rows), ranks=[None] * len(rows))
-        logprobs, ranks = self._logprob_tensors(raw_logprobs, logprob_rows, token_ids, rows).entries(rows)
-        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs, ranks=ranks)
-
-    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]
-               ) -> tuple[torch.Tensor, Optional[LogprobTensors]]:
-        """Token ids [rows] and the logprobs asked for, left on the device: for batches without
-        penalties (the overlapped scheduler launches such steps before the previous step's tokens
-        are known; logprobs come from this step's logits alone, so they may be read later)."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
-        logits = logits.float()
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        raw_logprobs = self._raw_logprobs(logits, logprob_rows)
-        token_ids = self._select_tokens(apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids)), rows)
+        token_ids = self._select_tokens(self._apply_penalties(logits, rows), rows)
         if raw_logprobs is None:
             return token_ids, None
         return token_ids, self._logprob_tensors(raw_logprobs, logprob_rows, token_ids, rows)

@@ -109,8 +109,10 @@ def test_a_damaged_file_is_a_miss_and_is_removed(folder, cold_tokens, tmp_path, 
     disk = str(tmp_path / "kv")
     with _llm(folder, disk) as llm:
         _tokens(llm, PROMPT)
-        order = [llm.engine.cold.tiers.key_of(identity) for identity in _prompt_identities(llm)]
-    victim = _path_of(disk, order[4])                   # the prompt's fifth block
+        cold = llm.engine.cold
+        namespace = llm.engine.prefix.namespace(None, None)
+        fifth = cold.tiers.key_of(cold.identities(namespace, PROMPT)[4])
+        victim = cold.tiers.stores[0].file_of(fifth)    # the prompt's fifth block
     data = bytearray(open(victim, "rb").read())
     if damage == "flip":
         data[len(data) // 2] ^= 0x40
@@ -129,24 +131,6 @@ def test_a_damaged_file_is_a_miss_and_is_removed(folder, cold_tokens, tmp_path, 
     with _llm(folder, disk) as llm:                    # rewritten by the run that computed it
         assert _tokens(llm, PROMPT) == cold_tokens
         assert _disk_hit_tokens(llm) == 10 * BLOCK
-
-
-def _prompt_identities(llm: LLM):
-    """The prompt's block identities as the engine derives them (a fresh request's lookup)."""
-    from kvserve.kvcache.prefix_cache import chain_hashes, namespace_root
-    from kvserve.kvstore.cold_block import BlockIdentity
-    cold = llm.engine.cold
-    namespace = llm.engine.prefix.namespace(None, None)
-    hashes = chain_hashes(namespace_root(namespace), PROMPT, BLOCK)
-    parents = [namespace_root(namespace)] + hashes[:-1]
-    return [BlockIdentity(cold.fingerprint, cold.kv_format, BLOCK, namespace, h, p,
-                          tuple(PROMPT[i * BLOCK:(i + 1) * BLOCK]))
-            for i, (h, p) in enumerate(zip(hashes, parents))]
-
-
-def _path_of(disk: str, key: str) -> str:
-    name = key.replace(":", "-")
-    return os.path.join(disk, name[-2:], name + ".kvb")
 
 
 def test_host_blocks_reused_before_they_went_down_are_not_written(folder, cold_tokens, tmp_path):
