@@ -122,7 +122,11 @@ if [[ $what == *" coldtiers "* ]]; then   # a 32k prefix from the disk and Redis
   # in .redis/lib); without either, the remote tier is skipped.
   redis=$(command -v redis-server || true)
   [[ -z $redis && -x .redis/redis-server ]] && redis=$PWD/.redis/redis-server && export LD_LIBRARY_PATH=$PWD/.redis/lib
-  timeout 500 python3 benchmarks/kv/cold_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
-    --dtype bfloat16 --prefix-tokens 32768 --kv-cache-memory 8GiB --kv-host-memory 16GiB --kv-disk-size 32GiB \
-    ${redis:+--redis-server "$redis"} --json "$OUT/h200_cold_tiers_qwen7b_32k.json" 2>&1 | tail -8 | tee "$OUT/gpu_cold_tiers.log"
+  # bf16 KV, then fp8 (half the bytes per token to read: the format is what the tiers store).
+  for kv in ${COLD_KV_DTYPES:-auto fp8}; do
+    name=h200_cold_tiers_qwen7b_32k$([[ $kv == auto ]] || echo "_$kv")
+    timeout 300 python3 benchmarks/kv/cold_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+      --dtype bfloat16 --kv-cache-dtype "$kv" --prefix-tokens 32768 --kv-cache-memory 8GiB --kv-host-memory 16GiB \
+      --kv-disk-size 32GiB ${redis:+--redis-server "$redis"} --json "$OUT/$name.json" 2>&1 | tail -8 | tee "$OUT/gpu_$name.log"
+  done
 fi

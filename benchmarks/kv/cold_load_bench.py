@@ -11,8 +11,9 @@ Engines, one after another in this process (each closed before the next starts):
   disk     host + disk, a restart: each prefix again (`disk`: TTFT, the prefix from the files);
   remote   host + Redis, another replica: each prefix again (`remote`: TTFT, from Redis).
 Every prefix is new to the engine that measures it (its own random tokens per repetition), and each
-hit case records the tokens each tier supplied. The bandwidth is a direct `get_many` of one prefix's
-blocks from each store (the disk's files evicted from the page cache first).
+hit case records the tokens each tier supplied. The fill engine waits for its writes after each
+prefix (a server writes them down between requests). The bandwidth is the tiers' own read of one
+prefix's blocks (chunks on several threads, verified), the disk's files evicted from the page cache first.
 """
 
 from __future__ import annotations
@@ -47,18 +48,24 @@ def _hit_tokens(llm: LLM) -> dict:
     return {"host": stats.host.hit_tokens if stats.host else 0, **stats.cold_hit_tokens}
 
 
-def _read_bandwidth(store, keys: list[str]) -> dict:
+def _read_bandwidth(llm: LLM, identities: list) -> dict:
     started = time.perf_counter()
-    values = store.get_many(keys)
+    payloads, _ = llm.engine.cold.tiers.read(identities)
     seconds = time.perf_counter() - started
-    nbytes = sum(len(v) for v in values if v is not None)
-    return {"blocks": sum(v is not None for v in values), "bytes": nbytes, "seconds": round(seconds, 4),
+    nbytes = sum(len(p) for p in payloads)
+    return {"blocks": len(payloads), "bytes": nbytes, "seconds": round(seconds, 4),
             "GB_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None}
 
 
-def _prefix_keys(llm: LLM, prompt: list[int]) -> list[str]:
-    cold = llm.engine.cold
-    return [cold.tiers.key_of(identity) for identity in cold.identities(llm.engine.prefix.namespace(None, None), prompt)]
+def _prefix_identities(llm: LLM, prompt: list[int]) -> list:
+    return llm.engine.cold.identities(llm.engine.prefix.namespace(None, None), prompt)
+
+
+def _ttft_written_down(llm: LLM, prompt: list[int]) -> float:
+    seconds = _ttft(llm, prompt)
+    llm.engine.flush_tiers()
+    llm.engine.cold.tiers.flush(timeout_s=300.0)
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prefix-tokens", type=int, default=32768)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--kv-cache-memory", default="8GiB")
     parser.add_argument("--kv-host-memory", default="16GiB")
     parser.add_argument("--kv-disk-size", default="64GiB")
@@ -87,31 +95,31 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.join(work, "redis"))
         redis = redis_fixture.RedisServer(os.path.join(work, "redis"))        # started, on a free port
     common = dict(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                  kv_cache_memory=_parse_bytes(args.kv_cache_memory), kv_host_memory=_parse_bytes(args.kv_host_memory),
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=_parse_bytes(args.kv_cache_memory), kv_host_memory=_parse_bytes(args.kv_host_memory),
                   kv_cold_max_wait=30.0)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 1000) for _ in range(args.prefix_tokens)] for _ in range(args.repeats)]
     results: dict = {"command": "python " + " ".join(sys.argv), "prefix_tokens": args.prefix_tokens,
-                     "repeats": args.repeats, "cases": {}}
+                     "kv_cache_dtype": args.kv_cache_dtype, "repeats": args.repeats, "cases": {}}
     try:
         fill_options = dict(common, kv_disk_path=disk, kv_disk_size=_parse_bytes(args.kv_disk_size))
         if redis is not None:
             fill_options["kv_remote_url"] = redis.url
         with LLM(**fill_options) as llm:
             _ttft(llm, [rng.randrange(10, 1000) for _ in range(512)])        # warm-up (compilation)
-            results["cases"]["cold"] = [_ttft(llm, p) for p in prompts]
-            keys = _prefix_keys(llm, prompts[0])
+            results["cases"]["cold"] = [_ttft_written_down(llm, p) for p in prompts]
+            identities = _prefix_identities(llm, prompts[0])
             results["kv_bytes_per_token"] = llm.engine.kv_bytes_per_token
+            results["fill_writes_dropped"] = llm.engine.cold.tiers.writes_dropped
         cases = [("disk", dict(common, kv_disk_path=disk, kv_disk_size=_parse_bytes(args.kv_disk_size)))]
         if redis is not None:
             cases.append(("remote", dict(common, kv_remote_url=redis.url)))
         for name, options in cases:
             with LLM(**options) as llm:
                 _ttft(llm, [rng.randrange(10, 1000) for _ in range(512)])
-                store = llm.engine.cold.tiers.stores[0]
                 if name == "disk":
                     evict_page_cache(block_files(disk))
-                results[f"{name}_read"] = _read_bandwidth(store, keys)
+                results[f"{name}_read"] = _read_bandwidth(llm, identities)
                 times, hits = [], []
                 for prompt in prompts:
                     if name == "disk":

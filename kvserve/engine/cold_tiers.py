@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-import numpy as np
 import torch
 import xxhash
 
@@ -186,13 +185,12 @@ class ColdTierBridge:
                 if host_id is None:
                     continue                # already there (another request brought it), or no room
                 host_ids.append(host_id)
-                payloads.append(np.frombuffer(payload, dtype=np.uint8))
+                payloads.append(payload)
                 self.hit_tokens[source] = self.hit_tokens.get(source, 0) + self.block_size
             if host_ids:
                 # A host block just taken may be the target of a copy still in flight.
                 self.transfers.synchronize()
-                index = torch.tensor(host_ids, dtype=torch.long, device=self.host_store.device)
-                self.host_store.scatter_bytes(index, torch.from_numpy(np.stack(payloads)))
+                self.host_store.write_block_bytes(host_ids, payloads)
                 self.blocks_installed += len(host_ids)
         self._release(read.request_id)
 
@@ -228,7 +226,7 @@ class ColdTierBridge:
         index = torch.tensor([b.host_id for b in ready], dtype=torch.long, device=self.host_store.device)
         data = self.host_store.gather_bytes(index).cpu().numpy()
         self.tiers.persist([(BlockIdentity(self.fingerprint, self.kv_format, self.block_size, b.namespace,
-                                           b.block_hash, b.parent_hash, b.token_ids), data[i].tobytes())
+                                           b.block_hash, b.parent_hash, b.token_ids), memoryview(data[i]))
                             for i, b in enumerate(ready)])
 
     def close(self) -> None:

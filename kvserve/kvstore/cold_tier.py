@@ -1,14 +1,17 @@
 """The tiers below host RAM, driven from the engine's thread without ever blocking it.
 
-`ColdTiers` holds the cold stores in lookup order (disk first: local and cheaper; then remote) and two
-thread pools:
+`ColdTiers` holds the cold stores in lookup order (disk first: local and cheaper; then remote) and
+its thread pools:
 - reads (`prefetch`): a request's prefix blocks, looked up in every store (one round trip per store
-  for the whole prefix), read where they are, verified (`cold_block.decode_block`: identity and
-  checksum; a failed check is a miss and the entry is removed) and handed back through `poll` as one
-  `ColdRead`, the longest run of blocks from the first missing one's left;
-- writes (`persist`): blocks copied out of the host tier, encoded and written to every store. The
-  queue is bounded (`max_pending_writes` blocks): past it a write is dropped and counted, never
-  waited for.
+  for the whole prefix), read where they are in chunks of about `READ_CHUNK_BYTES`, up to
+  `reads_in_flight` chunks at once (one file read or one MGET after another is bound by a single
+  round trip's latency, not by the disk's or the network's bandwidth), verified on the reading
+  thread (`cold_block.decode_block`: identity and checksum; a failed check is a miss and the entry is
+  removed) and handed back through `poll` as one `ColdRead`, the longest run of blocks from the
+  first missing one's left;
+- writes (`persist`): blocks copied out of the host tier, encoded and written to each store on that
+  store's own threads, so a slow remote never holds the disk back. Each store's queue is bounded
+  (`max_pending_writes` blocks): past it a write is dropped and counted, never waited for.
 Blocks are immutable (named by their chained hash), so a block written once needs no further write
 and no invalidation.
 """
@@ -30,6 +33,8 @@ from kvserve.stats import ColdStoreStats
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_WRITES = 4096
+READ_CHUNK_BYTES = 16 << 20          # one store call of a prefetch: large enough to stream, small enough to spread
+WRITE_CHUNK_BYTES = 16 << 20
 
 
 @dataclass
@@ -44,17 +49,21 @@ class ColdRead:
 
 
 class ColdTiers:
-    def __init__(self, stores: Sequence[ColdStore], payload_nbytes: int, read_threads: int = 4,
-                 write_threads: int = 2, max_pending_writes: int = DEFAULT_MAX_PENDING_WRITES) -> None:
+    def __init__(self, stores: Sequence[ColdStore], payload_nbytes: int, prefetch_threads: int = 4,
+                 reads_in_flight: int = 16, write_threads: int = 2,
+                 max_pending_writes: int = DEFAULT_MAX_PENDING_WRITES) -> None:
         if not stores:
             raise ValueError("ColdTiers needs at least one store")
         self.stores = list(stores)
         self.payload_nbytes = payload_nbytes
-        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="kv-cold-read")
-        self._writes = ThreadPoolExecutor(write_threads, thread_name_prefix="kv-cold-write")
+        # A prefetch waits on its chunks: the chunks run on their own pool, never the prefetches'.
+        self._reads = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="kv-cold-prefetch")
+        self._chunks = ThreadPoolExecutor(reads_in_flight, thread_name_prefix="kv-cold-read")
+        self._writes = {store.name: ThreadPoolExecutor(write_threads, thread_name_prefix=f"kv-cold-write-{store.name}")
+                        for store in self.stores}
         self._done: queue.SimpleQueue[ColdRead] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._pending_writes = 0
+        self._pending: dict[str, int] = {store.name: 0 for store in self.stores}     # blocks queued per store
         self.max_pending_writes = max_pending_writes
         self.writes_dropped = 0
         self.prefetches_done = self.prefetch_hits = 0
@@ -90,22 +99,44 @@ class ColdTiers:
                 if present:
                     holder[i] = store
         run = next((i for i, h in enumerate(holder) if h is None), len(holder))
-        payloads: list[memoryview] = []
-        sources: list[str] = []
+        chunk = max(1, READ_CHUNK_BYTES // max(1, self.payload_nbytes))
+        pieces = []                              # consecutive blocks of one store, at most `chunk` long
         start = 0
-        while start < run:                       # consecutive blocks of one store: one call
+        while start < run:
             store = holder[start]
             end = start
-            while end < run and holder[end] is store:
+            while end < run and end - start < chunk and holder[end] is store:
                 end += 1
-            for i, value in zip(range(start, end), store.get_many(keys[start:end])):
-                payload = self._verified(store, keys[i], value, identities[i])
-                if payload is None:
-                    return payloads, sources
-                payloads.append(payload)
-                sources.append(store.name)
+            pieces.append((store, start, end))
             start = end
+        futures = [self._chunks.submit(self._read_chunk, store, keys[start:end], identities[start:end])
+                   for store, start, end in pieces]
+        payloads: list[memoryview] = []
+        sources: list[str] = []
+        complete = True
+        for (store, start, end), future in zip(pieces, futures):
+            if not complete:                     # stopped at a missing or bad block: the rest is not used
+                future.cancel()
+                continue
+            got = future.result()
+            payloads += got
+            sources += [store.name] * len(got)
+            complete = len(got) == end - start
         return payloads, sources
+
+    def _read_chunk(self, store: ColdStore, keys: list[str], identities: list[BlockIdentity]) -> list[memoryview]:
+        """The verified payloads of the leading blocks of `keys` that `store` returned intact."""
+        out = []
+        for key, value, identity in zip(keys, store.get_many(keys), identities):
+            payload = self._verified(store, key, value, identity)
+            if payload is None:
+                break
+            out.append(payload)
+        return out
+
+    def read(self, identities: Sequence[BlockIdentity]) -> tuple[list[memoryview], list[str]]:
+        """The same read as a prefetch, on the calling thread (benchmarks: a tier's read bandwidth)."""
+        return self._read_prefix(list(identities))
 
     def _verified(self, store: ColdStore, key: str, value: bytes | None,
                   identity: BlockIdentity) -> memoryview | None:
@@ -137,40 +168,42 @@ class ColdTiers:
         return [first] + self.poll()
 
     # --- writes -------------------------------------------------------------------------------------
-    def persist(self, blocks: Sequence[tuple[BlockIdentity, bytes]]) -> None:
-        """Queues the blocks' writes to every store; drops (and counts) what the queue has no room for."""
-        with self._lock:
-            room = max(0, self.max_pending_writes - self._pending_writes)
-            taken = list(blocks[:room])
-            self.writes_dropped += len(blocks) - len(taken)
-            self._pending_writes += len(taken)
-        if taken:
-            self._writes.submit(self._write, taken)
+    def persist(self, blocks: Sequence[tuple[BlockIdentity, bytes | memoryview]]) -> None:
+        """Queues the blocks' writes to every store, in chunks; drops (and counts, once per store)
+        what a store's queue has no room for."""
+        if not blocks:
+            return
+        chunk = max(1, WRITE_CHUNK_BYTES // max(1, self.payload_nbytes))
+        for store in self.stores:
+            with self._lock:
+                room = max(0, self.max_pending_writes - self._pending[store.name])
+                taken = list(blocks[:room])
+                self.writes_dropped += len(blocks) - len(taken)
+                self._pending[store.name] += len(taken)
+            for start in range(0, len(taken), chunk):
+                self._writes[store.name].submit(self._write, store, taken[start:start + chunk])
 
-    def _write(self, blocks: list[tuple[BlockIdentity, bytes]]) -> None:
+    def _write(self, store: ColdStore, blocks: list[tuple[BlockIdentity, bytes | memoryview]]) -> None:
         try:
-            items = [(self.key_of(identity), encode_block(identity, payload), identity.namespace)
-                     for identity, payload in blocks]
-            for store in self.stores:
-                store.put_many(items)
+            store.put_many([(self.key_of(identity), encode_block(identity, payload), identity.namespace)
+                            for identity, payload in blocks])
         except Exception:
-            logger.exception("cold KV tier: writing %d blocks failed", len(blocks))
+            logger.exception("cold KV tier: writing %d blocks to the %s tier failed", len(blocks), store.name)
         finally:
             with self._lock:
-                self._pending_writes -= len(blocks)
+                self._pending[store.name] -= len(blocks)
 
     @property
     def writes_in_flight(self) -> bool:
         with self._lock:
-            return self._pending_writes > 0
+            return any(self._pending.values())
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Waits until every queued write is done (shutdown, tests); False on timeout."""
+        """Waits until every queued write is done (shutdown, tests, benchmarks); False on timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._lock:
-                if self._pending_writes == 0:
-                    return True
+            if not self.writes_in_flight:
+                return True
             time.sleep(0.005)
         return False
 
@@ -186,6 +219,8 @@ class ColdTiers:
     def close(self) -> None:
         self.flush(timeout_s=10.0)
         self._reads.shutdown(wait=False, cancel_futures=True)
-        self._writes.shutdown(wait=True)
+        self._chunks.shutdown(wait=False, cancel_futures=True)
+        for pool in self._writes.values():
+            pool.shutdown(wait=True)
         for store in self.stores:
             store.close()

@@ -8,9 +8,12 @@ the segments is live at a time (`num_live_blocks`); the tier never names a block
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence, Union
 
+import numpy as np
 import torch
+
+Buffer = Union[bytes, bytearray, memoryview]     # collections.abc.Buffer from Python 3.12
 
 
 class HostRows:
@@ -83,3 +86,13 @@ class HostRows:
     def scatter(self, ids: list[int], data: torch.Tensor) -> None:
         for rows, offset, count in self.runs(ids):
             rows.copy_(data[offset:offset + count])
+
+    def write_rows(self, ids: list[int], payloads: Sequence[Buffer]) -> None:
+        """Block `ids[i]` <- the bytes of `payloads[i]` (each `block_nbytes` long): one copy each,
+        straight from the reader's buffers (stacking them into one tensor first would copy twice)."""
+        size = self.segment_blocks
+        for block, payload in zip(ids, payloads):
+            segment = self._segments[block // size]
+            if segment is None:
+                raise IndexError(f"host block {block} is in a released segment")
+            segment[block % size].numpy()[:] = np.frombuffer(payload, dtype=np.uint8)

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMES = ("redis", "rediss", "unix")
 QUOTA_PREFIX = "kvserve:quota:"
+PIPELINE_BYTES = 8 << 20        # values per SET pipeline (reads: ColdTiers asks for READ_CHUNK_BYTES at a time)
 # Errors that mean the server did not answer (or answered nonsense): an outage.
 _OUTAGE_ERRORS = (redis.RedisError, OSError)
 
@@ -266,12 +267,23 @@ class RedisStore:
                 expiry = {"ex": int(self.ttl_s)}
             else:
                 expiry = {"px": max(1, round(self.ttl_s * 1000))}
-        pipe = self._client.pipeline(transaction=False)
-        for key, value, _namespace in items:
-            pipe.set(key, value, nx=True, **expiry)
-        # Per-command errors come back in the list (a full server refuses SETs with OOM, which is
-        # not an outage); a connection error or a timeout still raises.
-        results = pipe.execute(raise_on_error=False)
+        # Pipelines of at most PIPELINE_BYTES: the timeout bounds one round trip, and a round trip
+        # of a whole long prefix (GBs) would outlast any sensible timeout.
+        results: list[Any] = []
+        start = 0
+        while start < len(items):
+            pipe = self._client.pipeline(transaction=False)
+            nbytes = 0
+            end = start
+            while end < len(items) and (end == start or nbytes + len(items[end][1]) <= PIPELINE_BYTES):
+                key, value, _namespace = items[end]
+                pipe.set(key, value, nx=True, **expiry)
+                nbytes += len(value)
+                end += 1
+            # Per-command errors come back in the list (a full server refuses SETs with OOM, which is
+            # not an outage); a connection error or a timeout still raises.
+            results += pipe.execute(raise_on_error=False)
+            start = end
         if self.tenant_quota_bytes:
             try:
                 self._charge([item for item, result in zip(items, results) if result is True], expiry)

@@ -34,7 +34,7 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 import torch
 
 from kvserve.kvstore.formats import SCALE_DTYPE, KVFormat
-from kvserve.kvstore.host_rows import HostRows
+from kvserve.kvstore.host_rows import Buffer, HostRows
 from kvserve.kvstore.quantized_part import QuantizedKVCache
 from kvserve.kvstore.spec import KVCacheSpec
 
@@ -311,6 +311,12 @@ class KVCacheStore:
         pieces = [tensor.index_select(0, index).reshape(count, -1).view(torch.uint8)
                   for tensor in self._block_tensors]
         return torch.cat(pieces, dim=1)
+
+    def write_block_bytes(self, block_ids: list[int], payloads: Sequence[Buffer]) -> None:
+        """A tier's store only: block `block_ids[i]` <- `payloads[i]` (bytes of `block_nbytes`)."""
+        if self.flat is None:
+            raise TypeError("write_block_bytes is for a tier's store (rows of bytes)")
+        self.flat.write_rows(block_ids, payloads)
 
     def scatter_bytes(self, index: torch.Tensor, data: torch.Tensor) -> None:
         """[n, block_nbytes] uint8 on this device -> blocks `index`."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+import gc
+from typing import Iterator, Protocol
 
 import numpy as np
 import torch
@@ -39,6 +41,17 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     if sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -82,7 +95,10 @@ class DecodeGraphs:
                     runner.model(self.input_ids[:size], self.positions[:size], runner.kv_store, meta, runner.backend)
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                # No collection during the capture: a finalizer it runs (another engine's pinned
+                # buffers, say) may make a CUDA call that is illegal while a stream captures, and
+                # other threads' CUDA work (a second engine in the process) must not void it either.
+                with _no_gc(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.outputs[size] = runner.model(self.input_ids[:size], self.positions[:size],
                                                       runner.kv_store, meta, runner.backend)
             pool = graph.pool()
