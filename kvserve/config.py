@@ -211,6 +211,21 @@ class CacheConfig:
     kv_cold_max_wait: float = _opt(1.0, "seconds a request waits for its prefix to come up from the disk or "
                                         "remote KV tier before it is computed instead",
                                    **bounds(ge=0, unit="seconds"))
+    # KV compression (kvserve/press, engine/press_control.py; docs/kv_compression.md).
+    kv_press: Optional[str] = _opt(None, "press that prunes each request's KV once its prompt is computed, "
+                                         "freeing the blocks it drops: streaming_llm, snapkv, tova, h2o, knorm, "
+                                         "similarity_merge (requests may choose their own: kv_press); default none")
+    kv_keep_ratio: Optional[float] = _opt(None, "share of a request's prunable KV tokens a press keeps (0-1], "
+                                                "unless the request says (kv_keep_ratio / kv_keep_tokens)",
+                                          **bounds(gt=0, le=1))
+    kv_keep_tokens: Optional[int] = _opt(None, "KV tokens a press keeps per request instead of a ratio; the press "
+                                               "runs again as the output grows past it by --kv-press-slack",
+                                         **bounds(ge=1))
+    kv_press_min_tokens: int = _opt(256, "a request with fewer prunable KV tokens is not pruned", **bounds(ge=1))
+    kv_press_window: int = _opt(32, "the prompt's last tokens whose queries score the KV for the presses that "
+                                    "read attention (snapkv, tova, h2o)", **bounds(ge=1))
+    kv_press_slack: int = _opt(64, "with kv_keep_tokens, how far the KV may grow past the budget before the "
+                                   "press runs again", **bounds(ge=1))
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
                                       **bounds(ge=0, le=1))
     # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).
@@ -308,6 +323,8 @@ class EngineConfig:
             raise ValueError("kv_disk_path needs kv_disk_size (the bytes the disk KV tier may use)")
         if cache.kv_disk_size > 0 and not cache.kv_disk_path:
             raise ValueError("kv_disk_size needs kv_disk_path (the directory of the disk KV tier)")
+        if cache.kv_keep_ratio is not None and cache.kv_keep_tokens is not None:
+            raise ValueError("kv_keep_ratio and kv_keep_tokens are two ways to say how much a press keeps: set one")
         if (cache.kv_disk_path or cache.kv_remote_url) and not cache.enable_prefix_caching:
             raise ValueError("the disk and remote KV tiers need prefix caching (they keep cached prefix blocks)")
 

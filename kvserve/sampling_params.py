@@ -78,6 +78,13 @@ class SamplingParams:
     # "final_only": only once it finishes, which spares copying every running request's tokens
     # each step (the offline API uses it; at batch 256 that copy was the largest host cost).
     output_kind: str = "cumulative"
+    # KV compression (kvserve/press; docs/kv_compression.md): the press that prunes this request's
+    # KV once its prompt is computed, and how much it keeps (a ratio of the prunable tokens, or a
+    # token budget, which is also kept as the output grows). None: the server's --kv-press defaults.
+    # The press names are checked by the engine (it owns the registry); "none" turns a default off.
+    kv_press: Optional[str] = None
+    kv_keep_ratio: Optional[float] = None
+    kv_keep_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -97,7 +104,7 @@ class SamplingParams:
     def _validate_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "kv_keep_tokens"):
             _check_int(name, getattr(self, name), optional=True)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -109,6 +116,10 @@ class SamplingParams:
             _fail("stop", self.stop, "must not contain an empty string")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of integers")
+        if self.kv_press is not None and not isinstance(self.kv_press, str):
+            _fail("kv_press", self.kv_press, "must be a press name (a string) or null")
+        if self.kv_keep_ratio is not None:
+            _check_number("kv_keep_ratio", self.kv_keep_ratio)
 
     def _validate_ranges(self) -> None:
         if self.output_kind not in ("cumulative", "final_only"):
@@ -137,6 +148,12 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        if self.kv_keep_ratio is not None and not 0 < self.kv_keep_ratio <= 1:
+            _fail("kv_keep_ratio", self.kv_keep_ratio, "must be in (0, 1]")
+        if self.kv_keep_tokens is not None and self.kv_keep_tokens < 1:
+            _fail("kv_keep_tokens", self.kv_keep_tokens, "must be at least 1 (or null)")
+        if self.kv_keep_ratio is not None and self.kv_keep_tokens is not None:
+            _fail("kv_keep_tokens", self.kv_keep_tokens, "must not be set together with kv_keep_ratio")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= _MAX_LOGPROBS:

@@ -164,6 +164,18 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True)
+class PressStats:
+    """One press's counts since start (engine/press_control.py): requests it pruned, those it left
+    whole (too short, or keeping everything), KV tokens removed (per layer and head: each head drops
+    the same count) and blocks given back to the pool."""
+    press: str
+    applied: int
+    skipped: int
+    tokens_pruned: int
+    blocks_freed: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     scheduler: SchedulerStats
     kv_cache: KVCacheStats
@@ -172,3 +184,4 @@ class EngineStats:
     requests_finished_total: dict[str, int] = field(default_factory=dict)   # by finish reason
     prefix_cache: Optional[PrefixCacheStats] = None   # None: an engine without a prefix-cache control
     expert_load: Optional[ExpertLoadStats] = None     # None: a model without MoE layers
+    presses: tuple[PressStats, ...] = ()              # one per press that has run

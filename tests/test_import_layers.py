@@ -24,6 +24,7 @@ LAYERS = (
     "kvserve.model",
     "kvserve.kvcache",
     "kvserve.attention",
+    "kvserve.press",
     "kvserve.kernels",
     "kvserve.kvstore",
     "kvserve.sampling_params",

@@ -21,6 +21,18 @@ class PrefillChunk:
 
 
 @dataclass
+class QueryObservation:
+    """Rows of the flat batch whose queries (RoPE applied) every attention layer records, in layer
+    order: what a press that scores tokens by attention reads (kvserve/press). A step that observes
+    runs eagerly (no CUDA graph), and on a CPU through the model's own forward."""
+    rows: torch.Tensor                                             # [R] int64
+    layers: list[torch.Tensor] = field(default_factory=list)       # per layer [R, heads, head_dim] fp32
+
+    def record(self, query: torch.Tensor) -> None:
+        self.layers.append(query.index_select(0, self.rows).float())
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
     num_decode_tokens: int = 0
@@ -34,3 +46,4 @@ class AttentionMetadata:
     kv_window_slots: torch.Tensor | None = None
     kv_rows: torch.Tensor | None = None
     decode_kv_rows: torch.Tensor | None = None
+    observe: QueryObservation | None = None

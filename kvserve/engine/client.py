@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.stats import (ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats,
+from kvserve.stats import (ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats, PressStats,
                            StepCoefficients, TransferStats)
 
 
@@ -61,6 +61,7 @@ class EngineSnapshot:
     kv_cold_hit_tokens: dict[str, int] = field(default_factory=dict)   # tier -> prompt tokens it supplied
     kv_cold_writes_dropped: int = 0                   # blocks not sent down: the write queue was full
     kv_cold_prefetches: dict[str, int] = field(default_factory=dict)   # outcome -> prefetches on arrival
+    presses: tuple[PressStats, ...] = ()              # KV presses that have run (docs/kv_compression.md)
 
     @property
     def num_used_blocks(self) -> int:
@@ -89,7 +90,7 @@ class EngineSnapshot:
                    prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
                    kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
                    kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
-                   **latency)
+                   presses=stats.presses, **latency)
 
 
 @dataclass

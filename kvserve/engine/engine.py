@@ -19,6 +19,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.cold_tiers import ColdTierBridge, build_cold_tiers, model_fingerprint
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.press_control import PressControl
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.builder import build_model, kernel_switches, resolve_device, resolve_dtype
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
+from kvserve.model.llama import LlamaForCausalLM
 from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cache, spec_from_config
 from kvserve.worker.memory_profile import (HOST_TIER_SEGMENTS, available_host_memory, cuda_kv_budget,
                                            default_host_tier_bytes)
@@ -154,6 +156,9 @@ class Engine:
                             self.runner.graphs.sizes, time.perf_counter() - started)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_manager, max_model_len, self.preemption_cost)
         self.cold = self._build_cold_tiers(host_tier)
+        # KV compression: the presses prune the per-head K/V of the Llama family's attention.
+        self.press = PressControl(cache_cfg, self.kv_spec,
+                                  "gqa" if isinstance(self.model, LlamaForCausalLM) else type(self.model).__name__)
         if self.scheduler.slo is not None:
             self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
         self.stats = EngineCounters()
@@ -300,6 +305,7 @@ class Engine:
         try:
             cache_opts = CacheOptions.resolve(prompt, tenant=tenant, cache_salt=cache_salt, pin_ttl=pin_ttl,
                                               pin_prefix_tokens=pin_prefix_tokens)
+            self.press.plan_for(params)          # checked once for the group; each child gets its own plan
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -329,6 +335,9 @@ class Engine:
             if arrival_time is not None:
                 child.arrival_time = arrival_time
             child.set_cache_namespace(namespace)
+            child.press = self.press.plan_for(child_params)
+            if child.press is not None:
+                child.publish_limit = 0          # until its press says which blocks it left intact
             children.append(child)
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output)
@@ -423,7 +432,8 @@ class Engine:
                         f"running, {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} KV blocks "
                         f"free)")
                 return outputs
-            if self._async and self.runner.can_launch_ahead(sched_out):
+            press_due = self.press.due(sched_out)
+            if self._async and not press_due and self.runner.can_launch_ahead(sched_out):
                 launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight)
                 if self._inflight is not None:
                     outputs += self._finish_inflight()
@@ -441,7 +451,7 @@ class Engine:
                 sched_out.scheduled = [item for item in sched_out.scheduled if not item.request.is_finished]
                 if sched_out.is_empty:
                     return outputs
-            return outputs + self._run_step(sched_out)
+            return outputs + self._run_step(sched_out, press_due)
         finally:
             if sched_out is not None and sched_out.scheduled:
                 elapsed = time.monotonic() - started
@@ -556,10 +566,15 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         return self._process_results(inflight.results(), pending=True)
 
-    def _run_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
-        results = self.runner.execute(sched_out, self.kv_manager.block_tables)
+    def _run_step(self, sched_out: SchedulerOutput, press_due: Optional[dict[str, int]] = None) -> list[RequestOutput]:
+        observe = {rid: rows for rid, rows in (press_due or {}).items() if rows}
+        results = self.runner.execute(sched_out, self.kv_manager.block_tables, observe)
         for item in sched_out.scheduled:
             self.scheduler.advance(item)
+        if press_due:
+            # Before the next step is scheduled: the blocks the presses free are free for it.
+            self.press.apply([item.request for item in sched_out.scheduled if item.request.request_id in press_due],
+                             self.runner, self.kv_manager)
         return self._process_results(results, pending=False)
 
     def _process_results(self, results: list[StepResult], pending: bool) -> list[RequestOutput]:
@@ -644,7 +659,8 @@ class Engine:
                                            cold_prefetches=self.cold.prefetch_outcomes())
         return EngineStats(self.scheduler.make_stats(), kv_stats, counters.prompt_tokens_total,
                            counters.generation_tokens_total, dict(counters.requests_finished_total),
-                           prefix_cache=prefix_stats, expert_load=self._expert_load_stats())
+                           prefix_cache=prefix_stats, expert_load=self._expert_load_stats(),
+                           presses=self.press.make_stats())
 
     # The expert load make_stats last read, and when (monotonic seconds): see _expert_load_stats.
     _expert_load_read: Optional[ExpertLoadStats] = None

@@ -395,6 +395,30 @@ class KVCacheManager:
         # Freed in reverse so the tail (least likely shared) is reused first.
         self.pool.free(reversed(table))
 
+    def num_published_tokens(self, request_id: str) -> int:
+        """Leading tokens of the request whose blocks are in the prefix cache (shared: never rewritten)."""
+        state = self._cache_states.get(request_id)
+        return state.num_published * self.block_size if state is not None else 0
+
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """A press shortened the request's KV to `num_tokens`: the blocks past them go back to the
+        pool now. Returns how many. None of them may be published (the press's region is not:
+        Request.publish_limit)."""
+        table = self._block_tables.get(request_id)
+        if table is None:
+            return 0
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        state = self._cache_states.get(request_id)
+        if state is not None and state.num_published > keep:
+            raise RuntimeError(f"request {request_id}: a press may not free published blocks")
+        tail = table[keep:]
+        if not tail:
+            return 0
+        del table[keep:]
+        self._touched.update(tail)
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     @property
     def num_tracked_requests(self) -> int:
         return len(self._block_tables)

@@ -91,7 +91,10 @@ class DiskStore:
                         continue
                     if not entry.name.endswith(SUFFIX):
                         continue
-                    if not self._header_readable(entry.path):
+                    readable = self._header_readable(entry.path)
+                    if readable is None:
+                        continue                       # removed meanwhile (a reader found it damaged)
+                    if not readable:
                         self._remove(entry.path)
                         removed += 1
                         continue
@@ -117,7 +120,8 @@ class DiskStore:
         self.scan_done.set()
 
     @staticmethod
-    def _header_readable(path: str) -> bool:
+    def _header_readable(path: str) -> Optional[bool]:
+        """Whether the file's header parses; None if the file is gone."""
         try:
             with open(path, "rb") as f:
                 head = f.read(_HEADER_PROBE)
@@ -126,6 +130,8 @@ class DiskStore:
                     head += f.read(need - len(head))
             read_identity(head)
             return True
+        except FileNotFoundError:
+            return None
         except (OSError, ColdBlockError, ValueError, IndexError):
             return False
 

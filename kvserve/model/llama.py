@@ -40,10 +40,14 @@ class LlamaAttention(UsesKernelSwitches, nn.Module):
             rotary_and_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
                                 kv_cache[0], kv_cache[1], meta.slot_mapping)
             q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+            if meta.observe is not None:
+                meta.observe.record(q)
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=True)
         else:
             q, k, v = rotate_queries_and_keys(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin,
                                               self.switches)
+            if meta.observe is not None:
+                meta.observe.record(q)
             out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

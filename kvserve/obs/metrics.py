@@ -111,6 +111,13 @@ COLD_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_tier_corrupt_total",
     f"{NAMESPACE}:kv_tier_errors_total",
 )
+# Present once a KV press has run (--kv-press or a request's kv_press; docs/kv_compression.md), one
+# series per press (label `press`).
+PRESS_METRIC_NAMES = (
+    f"{NAMESPACE}:kv_press_requests_total",
+    f"{NAMESPACE}:kv_press_tokens_pruned_total",
+    f"{NAMESPACE}:kv_press_blocks_freed_total",
+)
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
     f"{NAMESPACE}:moe_expert_tokens_total",
@@ -164,6 +171,22 @@ def _cold_tier_metrics(snap: EngineSnapshot, labels: list[str], values: list[str
                  "identity): misses, removed.", lambda t: [("", t.corrupt)])
     yield family(CounterMetricFamily, "kv_tier_errors", "I/O or connection errors of the tier (each a miss or a "
                  "dropped write).", lambda t: [("", t.errors)])
+
+
+def _press_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    requests = CounterMetricFamily(f"{NAMESPACE}:kv_press_requests", "Requests a KV press pruned (outcome applied) "
+                                   "or left whole (skipped: too short, or keeping everything).",
+                                   labels=labels + ["press", "outcome"])
+    tokens = CounterMetricFamily(f"{NAMESPACE}:kv_press_tokens_pruned", "KV tokens presses removed (per layer and "
+                                 "KV head: each drops the same count).", labels=labels + ["press"])
+    blocks = CounterMetricFamily(f"{NAMESPACE}:kv_press_blocks_freed", "KV blocks presses gave back to the pool.",
+                                 labels=labels + ["press"])
+    for press in snap.presses:
+        requests.add_metric(values + [press.press, "applied"], press.applied)
+        requests.add_metric(values + [press.press, "skipped"], press.skipped)
+        tokens.add_metric(values + [press.press], press.tokens_pruned)
+        blocks.add_metric(values + [press.press], press.blocks_freed)
+    yield from (requests, tokens, blocks)
 
 
 class _EngineStateCollector:
@@ -237,6 +260,8 @@ class _EngineStateCollector:
             yield swaps
         if snap.kv_cold:
             yield from _cold_tier_metrics(snap, labels, values)
+        if snap.presses:
+            yield from _press_metrics(snap, labels, values)
         yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
         yield counter("num_preemptions", "Requests preempted (KV freed, recomputed later).",

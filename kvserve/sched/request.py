@@ -6,7 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -48,6 +48,13 @@ class Request:
     # Tokens whose K/V are in the cache. Invariant: < num_tokens while the request waits for a
     # token, so the last token is always recomputed to produce logits.
     num_computed_tokens: int = 0
+    # KV compression (kvserve/press; engine/press_control.py): tokens a press removed from the KV.
+    # Positions stay the original ones (the next token is at num_computed_tokens) while the KV is
+    # num_kv_tokens long. publish_limit: tokens whose blocks may enter the prefix cache (None: all
+    # computed ones); a request with a press publishes only the blocks the press left intact.
+    num_pruned_tokens: int = 0
+    publish_limit: Optional[int] = None
+    press: Optional[Any] = None          # its PressPlan (engine/press_control.py), or None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[int | str] = None
     generator: Optional[torch.Generator] = None
@@ -83,6 +90,25 @@ class Request:
         """Prompt logprobs need every prompt position computed, so such requests skip lookups
         (their blocks are still published for others)."""
         return self.params.prompt_logprobs is None
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens in its KV cache: the computed ones less those a press removed (also the KV index
+        of the next token computed)."""
+        return self.num_computed_tokens - self.num_pruned_tokens
+
+    @property
+    def num_publishable_tokens(self) -> int:
+        if self.publish_limit is None:
+            return self.num_computed_tokens
+        return min(self.num_computed_tokens, self.publish_limit)
+
+    def reset_kv(self) -> None:
+        """Its KV is gone (recompute preemption, a failed load): computed again from position 0."""
+        self.num_computed_tokens = 0
+        self.num_pruned_tokens = 0
+        if self.press is not None:
+            self.press.reset(self)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -198,7 +198,7 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(num_new, budget)
-            while not self.kv_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            while not self.kv_manager.allocate_slots(request.request_id, request.num_kv_tokens + num_new):
                 # Victims come from the back, which this loop has not scheduled yet.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -238,7 +238,7 @@ class Scheduler:
             self.running.append(request)
 
     def _requeue_for_recompute(self, request: Request) -> None:
-        request.num_computed_tokens = 0
+        request.reset_kv()
         if self.loading.pop(request.request_id, None) is not None:
             request.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(request)
@@ -301,6 +301,7 @@ class Scheduler:
             if self.kv_manager.is_swapped(request.request_id):
                 num_cached = request.num_computed_tokens          # its KV comes back from the host
             num_new = request.num_tokens - num_cached
+            kv_base = num_cached - request.num_pruned_tokens      # a pressed request's swapped KV is shorter
             if not chunked and num_new > budget:
                 # Admission bounds the prompt by the budget, but a preempted request recomputes its
                 # outputs too and may exceed it: it then runs alone, once nothing else is scheduled
@@ -309,10 +310,10 @@ class Scheduler:
                     break
             elif num_new > budget:
                 num_new = budget
-            needed = self.kv_manager.num_new_blocks_needed(request.request_id, num_cached + num_new, hit)
+            needed = self.kv_manager.num_new_blocks_needed(request.request_id, kv_base + num_new, hit)
             if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
                 break
-            if not self.kv_manager.allocate_slots(request.request_id, num_cached + num_new, hit,
+            if not self.kv_manager.allocate_slots(request.request_id, kv_base + num_new, hit,
                                                   request if caching else None):
                 break
             if self.waiting[0] is request:
@@ -357,7 +358,7 @@ class Scheduler:
         swapped = self._wants_swap(request) and self.kv_manager.swap_out(request.request_id)
         if not swapped:
             self.kv_manager.free(request.request_id)
-            request.num_computed_tokens = 0
+            request.reset_kv()
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -368,7 +369,7 @@ class Scheduler:
         request = scheduled.request
         request.num_computed_tokens += scheduled.num_new_tokens
         # Blocks now full of computed KV become visible to other requests' lookups.
-        self.kv_manager.cache_full_blocks(request.request_id, request.num_computed_tokens)
+        self.kv_manager.cache_full_blocks(request.request_id, request.num_publishable_tokens)
 
     def append_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
         """Records a sampled token and finishes the request on eos, a stop id or its length limit."""

@@ -13,7 +13,8 @@ that leave the output unchanged (null always), which pass: SDKs send `tool_choic
 
 Extension fields beyond OpenAI's: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), priority / tenant,
-and the prefix-cache fields cache_salt (vLLM's name), pin_ttl and pin_prefix_tokens.
+and the prefix-cache fields cache_salt (vLLM's name), pin_ttl and pin_prefix_tokens, and the KV
+compression fields kv_press, kv_keep_ratio and kv_keep_tokens (docs/kv_compression.md).
 """
 
 from __future__ import annotations
@@ -123,6 +124,15 @@ class _SamplingFields(_Strict):
                                      json_schema_extra={"exclusiveMinimum": 0})
     pin_prefix_tokens: Optional[int] = Field(None, description="with pin_ttl: pin only the first N prompt tokens",
                                              json_schema_extra=_range(1))
+    kv_press: Optional[str] = Field(None, max_length=64,
+                                    description="KV press (extension) that prunes this request's KV once its prompt "
+                                                "is computed: streaming_llm, snapkv, tova, h2o, knorm, "
+                                                "similarity_merge, or none to turn the server's --kv-press off")
+    kv_keep_ratio: Optional[float] = Field(None, description="share of the prunable KV the press keeps (extension)",
+                                           json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    kv_keep_tokens: Optional[int] = Field(None, description="KV tokens the press keeps, kept as the output grows "
+                                                            "(extension; instead of kv_keep_ratio)",
+                                          json_schema_extra=_range(1))
 
 
 class CompletionRequest(_SamplingFields):

@@ -131,11 +131,13 @@ class DecodeGraphs:
         table_array = np.zeros((size, width), dtype=np.int32)
         for row, table in enumerate(tables):
             table_array[row, :len(table)] = table
+        # The KV index differs from the position once a press pruned the request (kvserve/press).
+        kv_index = np.fromiter((item.request.num_kv_tokens for item in items), dtype=np.int64, count=count)
         slots = np.full(size, -1, dtype=np.int64)
-        slots[:count] = table_array[np.arange(count), positions // block_size].astype(np.int64) * block_size \
-            + positions % block_size
+        slots[:count] = table_array[np.arange(count), kv_index // block_size].astype(np.int64) * block_size \
+            + kv_index % block_size
         context_lens = np.zeros(size, dtype=np.int32)
-        context_lens[:count] = positions + 1
+        context_lens[:count] = kv_index + 1
         padded_ids = np.zeros(size, dtype=np.int64)
         padded_ids[:count] = token_ids
         padded_pos = np.zeros(size, dtype=np.int64)

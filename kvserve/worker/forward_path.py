@@ -37,7 +37,7 @@ class ForwardPath:
 
     def run(self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor, kv_store: KVCacheStore,
             meta: AttentionMetadata) -> torch.Tensor:
-        if self.native is not None:
+        if self.native is not None and meta.observe is None:    # the native forward records no queries
             return self.native.run(model, input_ids, positions, kv_store, meta)
         return model(input_ids, positions, kv_store, meta, self.backend)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvserve.attention.metadata import AttentionMetadata, PrefillChunk
+from kvserve.attention.metadata import AttentionMetadata, PrefillChunk, QueryObservation
 from kvserve.kvstore import DEVICE_STORE, BlockCopy, KVCacheSpec, KVCacheStore
 from kvserve.model.interfaces import CausalLM
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
@@ -81,6 +81,7 @@ class ModelRunner:
         self.backend = self.forward_path.backend
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.observed: dict[str, list[torch.Tensor]] = {}     # the last step's recorded queries (see _forward)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -92,7 +93,8 @@ class ModelRunner:
         table = np.asarray(block_table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def build_batch(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]):
+    def build_batch(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]],
+                    observe: dict[str, int] | None = None):
         decodes = [item for item in items if item.num_new_tokens == 1]
         prefills = [item for item in items if item.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -102,7 +104,10 @@ class ModelRunner:
             end = start + item.num_new_tokens
             token_ids.extend(request.token_ids_between(start, end))
             positions.append(np.arange(start, end))
-            slots.append(self._slots(block_tables[request.request_id], start, end))
+            # A pressed request's KV is shorter than its positions (kvserve/press): its new tokens go
+            # after the KV it kept.
+            kv_start = request.num_kv_tokens
+            slots.append(self._slots(block_tables[request.request_id], kv_start, kv_start + item.num_new_tokens))
         meta = AttentionMetadata(slot_mapping=self._to_device(np.concatenate(slots)),
                                  num_decode_tokens=len(decodes))
         kv_rows = self.assign_kv_rows(ordered, block_tables) if self.num_kv_rows else None
@@ -112,7 +117,7 @@ class ModelRunner:
             meta.kv_window_slots = self._to_device(window_slots)
             meta.decode_kv_rows = self._to_device(np.asarray(kv_rows[:len(decodes)], dtype=np.int64))
         if decodes:
-            context_lens = np.array([item.request.num_computed_tokens + 1 for item in decodes])
+            context_lens = np.array([item.request.num_kv_tokens + 1 for item in decodes])
             max_context = int(context_lens.max())
             max_blocks = -(-max_context // self.block_size)
             # int32 on CUDA, as the decode CUDA graphs' tables are: a Triton kernel compiles one
@@ -125,7 +130,7 @@ class ModelRunner:
             meta.decode_context_lens = self._to_device(context_lens.astype(np.int32))
         offset = len(decodes)
         for item in prefills:
-            start = item.request.num_computed_tokens
+            start = item.request.num_kv_tokens
             context_len = start + item.num_new_tokens
             context_slots = None
             if start > 0:
@@ -133,9 +138,35 @@ class ModelRunner:
             kv_row = kv_rows[len(decodes) + len(meta.prefills)] if kv_rows is not None else -1
             meta.prefills.append(PrefillChunk(offset, item.num_new_tokens, context_len, context_slots, kv_row))
             offset += item.num_new_tokens
+        if observe:
+            meta.observe = QueryObservation(self._to_device(self._observed_rows(ordered, observe)))
         input_ids = self._to_device(np.asarray(token_ids, dtype=np.int64))
         positions_t = self._to_device(np.concatenate(positions).astype(np.int64))
         return ordered, input_ids, positions_t, meta
+
+    @staticmethod
+    def _observed_rows(ordered: list[ScheduledRequest], observe: dict[str, int]) -> np.ndarray:
+        """Flat rows of the last `observe[id]` tokens (at most the step's) of each observed request."""
+        rows, offset = [], 0
+        for item in ordered:
+            count = observe.get(item.request.request_id, 0)
+            if count:
+                count = min(count, item.num_new_tokens)
+                end = offset + item.num_new_tokens
+                rows.append(np.arange(end - count, end))
+            offset += item.num_new_tokens
+        return np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, dtype=np.int64)
+
+    def _split_observation(self, ordered: list[ScheduledRequest], observe: dict[str, int],
+                           observation: QueryObservation) -> dict[str, list[torch.Tensor]]:
+        """Each observed request's queries, per layer [W, heads, head_dim] (rows in `_observed_rows` order)."""
+        out, start = {}, 0
+        for item in ordered:
+            count = min(observe.get(item.request.request_id, 0), item.num_new_tokens)
+            if count:
+                out[item.request.request_id] = [layer[start:start + count] for layer in observation.layers]
+                start += count
+        return out
 
     # --- per-sequence rows of quantized caches (window ring, error-feedback residual) -----------
     def assign_kv_rows(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> list[int]:
@@ -189,19 +220,23 @@ class ModelRunner:
         return np.concatenate(token_rows), np.concatenate(window_slots)
 
     def _forward(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
-                 previous: InflightStep | None = None):
-        """(ordered items, hidden states, sampled row offsets, their requests)."""
+                 previous: InflightStep | None = None, observe: dict[str, int] | None = None):
+        """(ordered items, hidden states, sampled row offsets, their requests). With `observe`
+        (request id -> query rows to record), `self.observed` holds those queries afterwards."""
         self.run_block_copies(sched_out.block_copies)
+        self.observed = {}
         if not sched_out.scheduled:
             return [], None, [], []
         ordered = None
-        if self.graphs is not None:
+        if self.graphs is not None and not observe:
             ordered, hidden = self.graphs.try_run(sched_out.scheduled, block_tables, previous)
         if ordered is None:
-            ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables)
+            ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables, observe)
             self.feed_pending_tokens(input_ids, ordered, previous)
             with self._sdpa_backends():
                 hidden = self.forward_path.run(self.model, input_ids, positions, self.kv_store, meta)
+            if meta.observe is not None:
+                self.observed = self._split_observation(ordered, observe, meta.observe)
         sample_rows, row_requests, offset = [], [], 0
         for item in ordered:
             request = item.request
@@ -239,8 +274,9 @@ class ModelRunner:
                 for r in row_requests]
 
     @torch.inference_mode()
-    def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]]) -> list[StepResult]:
-        _, hidden, sample_rows, row_requests = self._forward(sched_out, block_tables)
+    def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
+                observe: dict[str, int] | None = None) -> list[StepResult]:
+        _, hidden, sample_rows, row_requests = self._forward(sched_out, block_tables, observe=observe)
         if not row_requests:
             return []
         logits = self._sampled_logits(hidden, sample_rows)

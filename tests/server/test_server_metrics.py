@@ -199,3 +199,19 @@ def test_cold_tier_metrics_come_from_the_kv_cache_stats():
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
     text = ServerMetrics(lambda: without, "m").render().decode()
     assert not any(name in text for name in COLD_TIER_METRIC_NAMES)
+
+
+def test_press_metrics_come_from_the_press_stats():
+    from kvserve.obs.metrics import PRESS_METRIC_NAMES
+    from kvserve.stats import PressStats
+    stats = _stats(presses=(PressStats("snapkv", applied=3, skipped=1, tokens_pruned=900, blocks_freed=55),))
+    snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    text = ServerMetrics(lambda: snapshot, "m").render().decode()
+    samples = _samples(text)
+    assert all(name in text for name in PRESS_METRIC_NAMES)
+    assert samples['kvserve:kv_press_requests_total{model_name="m",outcome="applied",press="snapkv"}'] == 3
+    assert samples['kvserve:kv_press_requests_total{model_name="m",outcome="skipped",press="snapkv"}'] == 1
+    assert samples['kvserve:kv_press_tokens_pruned_total{model_name="m",press="snapkv"}'] == 900
+    assert samples['kvserve:kv_press_blocks_freed_total{model_name="m",press="snapkv"}'] == 55
+    without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    assert not any(name in ServerMetrics(lambda: without, "m").render().decode() for name in PRESS_METRIC_NAMES)
