@@ -2,7 +2,7 @@
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
-#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn] [coldtiers]
+#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn] [coldtiers] [press]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -116,6 +116,11 @@ fi
 if [[ $what == *" multiturn "* ]]; then   # multi-turn chat, working set 4x the GPU KV: host tier against none
   timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b --out "$OUT/h200_multiturn_qwen7b.json" \
     2>&1 | tail -12 | tee "$OUT/gpu_multiturn.log"
+fi
+if [[ $what == *" press "* ]]; then   # decode step time and KV per request after a press (issue 28)
+  timeout 330 python3 benchmarks/kv/press_speed_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --context 32768 --batch 16 --ratios 1,0.5,0.25 --formats bf16,int4 \
+    --json "$OUT/h200_press_speed_qwen7b_32k.json" 2>&1 | grep -v Warn | tail -14 | tee "$OUT/gpu_press_speed.log"
 fi
 if [[ $what == *" coldtiers "* ]]; then   # a 32k prefix from the disk and Redis tiers against computing it
   # redis-server: the one on PATH, or a carried binary at .redis/redis-server (with its libraries

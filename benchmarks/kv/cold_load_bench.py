@@ -11,7 +11,8 @@ Engines, one after another in this process (each closed before the next starts):
   disk     host + disk, a restart: each prefix again (`disk`: TTFT, the prefix from the files);
   remote   host + Redis, another replica: each prefix again (`remote`: TTFT, from Redis).
 Every prefix is new to the engine that measures it (its own random tokens per repetition), and each
-hit case records the tokens each tier supplied. The fill engine waits for its writes after each
+hit case records the tokens each tier supplied (none where the engine judged the read slower than
+recomputing, from its measured read and prefill rates). The fill engine waits for its writes after each
 prefix (a server writes them down between requests). The bandwidth is the tiers' own read of one
 prefix's blocks (chunks on several threads, verified), the disk's files evicted from the page cache first.
 """
@@ -116,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(("remote", dict(common, kv_remote_url=redis.url)))
         for name, options in cases:
             with LLM(**options) as llm:
+                # Warm-up: compilation, then one full prefill chunk, so the engine has measured
+                # the prefill rate a serving engine knows (it decides whether a tier read is worth
+                # starting: a read slower than recomputing is not).
                 _ttft(llm, [rng.randrange(10, 1000) for _ in range(512)])
+                _ttft(llm, [rng.randrange(10, 1000) for _ in range(8192)])
                 if name == "disk":
                     evict_page_cache(block_files(disk))
                 results[f"{name}_read"] = _read_bandwidth(llm, identities)

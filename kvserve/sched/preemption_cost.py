@@ -33,8 +33,15 @@ class PreemptionCost:
             self.transfer_bytes_per_s = smooth(self.transfer_bytes_per_s, nbytes / seconds)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's tokens per second is a lower bound of the prefill rate (decodes, small chunks and
+        a first step that compiles kernels all run slower than a full prefill chunk): a faster step
+        is taken at once, a slower one only eases the estimate down. A plain average stayed at the
+        rate of small steps, so a tier read slower than recomputing was still started
+        (docs/kv_tiers.md#disk-and-remote-tiers)."""
         if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tokens_per_s = smooth(self.prefill_tokens_per_s, num_tokens / seconds)
+            rate = num_tokens / seconds
+            current = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if current is None or rate > current else smooth(current, rate)
 
     def swap_seconds(self, num_tokens: int) -> Optional[float]:
         if not self.transfer_bytes_per_s:

@@ -135,17 +135,16 @@ def ref_snapkv(inputs: PressInputs, keep: int, kernel_size: int = 5) -> Compress
 
 
 def ref_tova(inputs: PressInputs, keep: int) -> Compressed:
+    """One token set for the layer: the last query's probabilities averaged over every query head."""
     t, w = inputs.num_tokens, inputs.queries.shape[0]
-    kept = []
-    for kv in range(KV_HEADS):
-        heads = group(inputs, kv)
-        mean = [0.0] * t
-        for head in heads:
-            # The last query sits at T - 1 and so sees the whole region.
-            for j, p in enumerate(query_probs(inputs, head, w - 1)):
-                mean[j] += p / len(heads)
-        kept.append(sorted(best({j: mean[j] for j in range(t - 1)}, keep - 1) + [t - 1]))
-    return gathered(inputs, kept)
+    heads = [head for kv in range(KV_HEADS) for head in group(inputs, kv)]
+    mean = [0.0] * t
+    for head in heads:
+        # The last query sits at T - 1 and so sees the whole region.
+        for j, p in enumerate(query_probs(inputs, head, w - 1)):
+            mean[j] += p / len(heads)
+    kept = sorted(best({j: mean[j] for j in range(t - 1)}, keep - 1) + [t - 1])
+    return gathered(inputs, [kept] * KV_HEADS)
 
 
 def ref_h2o(inputs: PressInputs, keep: int, recent: int = 0) -> Compressed:

@@ -28,3 +28,12 @@ def test_observations_move_the_choice():
     for _ in range(30):
         cost.observe_step(8192, 0.001)           # a very fast prefill: recompute is cheaper
     assert not cost.prefers_swap(100)
+
+
+def test_the_prefill_rate_follows_the_fastest_steps_at_once_and_slower_ones_slowly():
+    cost = PreemptionCost(kv_bytes_per_token=1000)
+    cost.observe_step(512, 512 / 2_000)            # a first step that compiled kernels
+    cost.observe_step(8192, 8192 / 20_000)         # a full prefill chunk
+    assert cost.prefill_tokens_per_s == 20_000
+    cost.observe_step(256, 256 / 4_000)            # decodes mixed in: eases it down, not to 4k
+    assert 15_000 < cost.prefill_tokens_per_s < 20_000
