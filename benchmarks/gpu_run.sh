@@ -119,7 +119,7 @@ if [[ $what == *" multiturn "* ]]; then   # multi-turn chat, working set 4x the 
 fi
 if [[ $what == *" press "* ]]; then   # decode step time and KV per request after a press (issue 28)
   timeout 330 python3 benchmarks/kv/press_speed_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
-    --dtype bfloat16 --context 32768 --batch 16 --ratios 1,0.5,0.25 --formats bf16,int4 \
+    --dtype bfloat16 --context 32768 --batch 16 --ratios ${PRESS_RATIOS:-1,0.5,0.25} --formats bf16,int4 \
     --json "$OUT/h200_press_speed_qwen7b_32k.json" 2>&1 | grep -v Warn | tail -14 | tee "$OUT/gpu_press_speed.log"
 fi
 if [[ $what == *" coldtiers "* ]]; then   # a 32k prefix from the disk and Redis tiers against computing it

@@ -39,7 +39,10 @@ FORMATS = {"bf16": {"kv_cache_dtype": "auto"},
 def run_batch(engine: Engine, context: int, batch: int, ratio: float, decode_steps: int, seed: int) -> dict:
     rng = random.Random(seed)
     press = {} if ratio >= 1 else dict(kv_press="streaming_llm", kv_keep_ratio=ratio)
-    params = SamplingParams(max_tokens=decode_steps, temperature=0.0, ignore_eos=True, **press)
+    # The first requests decode while the later ones prefill (a token per step): enough tokens that
+    # all of them are still decoding for `decode_steps` steps once the last prefill is done.
+    prefill_steps = -(-context * batch // engine.config.scheduler_config.max_num_batched_tokens) + batch
+    params = SamplingParams(max_tokens=decode_steps + prefill_steps, temperature=0.0, ignore_eos=True, **press)
     ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(context)]}, params)
            for _ in range(batch)]
     decode_times, blocks_held = [], None
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.formats.split(","):
         engine = Engine.from_options(model=args.model, load_format=args.load_format, dtype=args.dtype,
                                      kv_cache_memory=_parse_bytes(args.kv_cache_memory), enable_prefix_caching=False,
-                                     max_model_len=args.context + args.decode_steps + 16, max_num_seqs=args.batch,
+                                     max_model_len=args.context + 4096, max_num_seqs=args.batch,
                                      kv_press_min_tokens=64, **FORMATS[name])
         rows = [run_batch(engine, args.short_context, args.batch, 1.0, args.decode_steps, seed=1)]
         rows[0]["short"] = True
