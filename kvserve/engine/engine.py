@@ -338,6 +338,7 @@ class Engine:
             child.press = self.press.plan_for(child_params)
             if child.press is not None:
                 child.publish_limit = 0          # until its press says which blocks it left intact
+                child.press_stop = child.num_prompt_tokens
             children.append(child)
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output)

@@ -6,7 +6,9 @@ prompt's last `kv_press_window` tokens (for presses that score by attention), an
 the request's KV past its protected prefix is pruned to what the press keeps, compacted to the
 front (kvserve/worker/press_apply.py), and the blocks past it go back to the pool before the next
 step is scheduled. With a token budget (`kv_keep_tokens`) the press runs again, on the current
-decode query, whenever the KV has grown `kv_press_slack` tokens past the budget.
+decode query, whenever the KV has grown `kv_press_slack` tokens past the budget. A request that
+recomputes after a preemption is pressed at its prompt's end again (its chunks stop there until
+then), so with a keep ratio its outputs are recomputed over the same pressed KV.
 
 Positions stay the original ones: the request's next token is at `num_computed_tokens`, its KV is
 `num_kv_tokens` long. The protected prefix is the whole blocks the request found in the prefix
@@ -45,9 +47,11 @@ class PressPlan:
     applied: bool = False
 
     def reset(self, request: "Request") -> None:
-        """Its KV is computed again from the start (recompute preemption): pruned again at the end."""
+        """Its KV is computed again from the start (recompute preemption): pruned again at its
+        prompt's end, where the chunks stop until then (Request.press_stop)."""
         self.applied = False
         request.publish_limit = 0
+        request.press_stop = request.num_prompt_tokens
 
 
 @dataclass
@@ -110,12 +114,14 @@ class PressControl:
         for item in sched_out.scheduled:
             request = item.request
             plan = request.press
-            if plan is None or not item.samples_token:
+            if plan is None:
                 continue
             if not plan.applied:
+                if request.num_computed_tokens + item.num_new_tokens < request.num_prompt_tokens:
+                    continue                               # its prompt's end is not in this step
                 rows = self.window
-            elif plan.keep_tokens is not None and request.num_kv_tokens + item.num_new_tokens > \
-                    plan.keep_tokens + self.slack:
+            elif item.samples_token and plan.keep_tokens is not None and \
+                    request.num_kv_tokens + item.num_new_tokens > plan.keep_tokens + self.slack:
                 rows = 1                                   # the decode step's own query
             else:
                 continue
@@ -130,6 +136,7 @@ class PressControl:
                 continue
             first = not plan.applied
             plan.applied = True
+            request.press_stop = None
             # Whole blocks it found in the prefix cache, and any it published since (a request whose
             # first press was skipped, pruned later by its budget): shared blocks are never rewritten.
             protected = max((request.num_cached_tokens or 0) // self.block_size * self.block_size,

@@ -54,6 +54,10 @@ class Request:
     # computed ones); a request with a press publishes only the blocks the press left intact.
     num_pruned_tokens: int = 0
     publish_limit: Optional[int] = None
+    # Where a prefill chunk must stop until the press has run (its prompt's end): a request that
+    # recomputes after preemption is pressed at the same point as the first time, and its outputs
+    # are then recomputed over the pressed KV, as they were first computed.
+    press_stop: Optional[int] = None
     press: Optional[Any] = None          # its PressPlan (engine/press_control.py), or None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[int | str] = None
@@ -102,6 +106,13 @@ class Request:
         if self.publish_limit is None:
             return self.num_computed_tokens
         return min(self.num_computed_tokens, self.publish_limit)
+
+    def tokens_to_compute(self, num_computed: int) -> int:
+        """Tokens a step may compute from `num_computed` on: up to the end, or to `press_stop`."""
+        end = self.num_tokens
+        if self.press_stop is not None and num_computed < self.press_stop:
+            end = self.press_stop
+        return end - num_computed
 
     def reset_kv(self) -> None:
         """Its KV is gone (recompute preemption, a failed load): computed again from position 0."""

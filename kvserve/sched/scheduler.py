@@ -193,7 +193,7 @@ class Scheduler:
             if request.has_pending_token and self._reaches_length_limit(request):
                 index += 1      # finishes when its pending token is read: no further step
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.tokens_to_compute(request.num_computed_tokens)
             if not chunked and num_new > budget:
                 index += 1
                 continue
@@ -300,7 +300,7 @@ class Scheduler:
             num_cached = hit.num_tokens if hit is not None else 0
             if self.kv_manager.is_swapped(request.request_id):
                 num_cached = request.num_computed_tokens          # its KV comes back from the host
-            num_new = request.num_tokens - num_cached
+            num_new = request.tokens_to_compute(num_cached)
             kv_base = num_cached - request.num_pruned_tokens      # a pressed request's swapped KV is shorter
             if not chunked and num_new > budget:
                 # Admission bounds the prompt by the budget, but a preempted request recomputes its

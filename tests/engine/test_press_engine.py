@@ -214,3 +214,24 @@ def test_random_press_abort_preempt_leaks_no_block(checkpoint):
     assert engine.scheduler.num_preemptions_total > 0          # the small cache made it preempt
     assert engine.kv_manager.num_tracked_requests == 0
     assert engine.kv_manager.num_free_blocks == free
+
+
+def test_a_pressed_request_preempted_by_recompute_gives_the_same_tokens(checkpoint):
+    """It is pressed at its prompt's end again and its outputs recomputed over the pressed KV."""
+    folder, _ = checkpoint
+    params = SamplingParams(max_tokens=175, temperature=0.0, ignore_eos=True, kv_press="snapkv", kv_keep_ratio=0.25)
+    alone = _run(_engine(folder), PROMPT, params, "a")
+    engine = _engine(folder, kv_cache_memory=30 * 12288, max_model_len=480, preemption_mode="recompute",
+                     enable_prefix_caching=False)
+    # b runs first, a joins behind it and is pressed; as both grow, a (the back) is preempted.
+    engine.add_request("b", {"prompt_token_ids": PROMPT[:100]},
+                       SamplingParams(max_tokens=370, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.add_request("a", {"prompt_token_ids": PROMPT}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions_total > 0
+    assert done["a"] == alone
