@@ -11,8 +11,9 @@ Up: when a request arrives, its prompt's full blocks beyond what the GPU cache a
 hold are looked up in the cold stores on a worker thread (`ColdTiers.prefetch`) while the request
 is held out of the waiting queue. What comes back is placed in host-tier blocks, so the request's
 lookup then finds it there and the host tier's own load path moves it to the GPU, overlapped with
-other requests' steps. A request waits at most `kv_cold_max_wait` seconds; a prefetch that takes
-longer than recomputing those tokens would (both measured) is not started.
+other requests' steps. A request waits at most `kv_cold_max_wait` seconds; a read that would take
+longer than recomputing those tokens (each store's measured read rate, once the stores holding the
+blocks are known, against the measured prefill rate) is not started.
 
 Identity: blocks are keyed and checked by the model fingerprint (its config, dtype, load format and
 weight files' names, sizes and first and last MiB), the KV format, the block size and the namespace
@@ -36,7 +37,6 @@ from kvserve.kvcache.prefix_cache import chain_hashes, namespace_root
 from kvserve.kvstore.cold_block import BlockIdentity
 from kvserve.kvstore.cold_tier import ColdRead, ColdTiers
 from kvserve.kvstore.disk_store import DiskStore
-from kvserve.sched.preemption_cost import smooth
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -101,8 +101,7 @@ class ColdTierBridge:
         self._held: dict[str, _Held] = {}
         # Host writes waiting for their bytes to land: (fence, blocks); blocks stored since the last step.
         self._landing: list[tuple[Optional[torch.cuda.Event], list[HostBlock]]] = []
-        self.read_bytes_per_s: Optional[float] = None
-        self.blocks_installed = self.prefetch_timeouts = self.prefetch_skipped = 0
+        self.blocks_installed = self.prefetch_timeouts = 0
         self.hit_tokens: dict[str, int] = {}           # tier name -> prompt tokens it supplied
 
     # --- up: prefetch on arrival --------------------------------------------------------------------
@@ -115,12 +114,11 @@ class ColdTierBridge:
         if last <= first:
             return False
         num_tokens = (last - first) * self.block_size
-        if self._not_worth_it(num_tokens):
-            self.prefetch_skipped += 1
-            return False
         identities = self.identities(request.cache_namespace, request.prompt_token_ids, request.block_hashes,
                                      first, last)
-        self.tiers.prefetch(request.request_id, identities)
+        # The tiers weigh each store's measured read rate against this, once they know which
+        # stores hold the blocks (a read slower than recomputing is not started).
+        self.tiers.prefetch(request.request_id, identities, self._compute_seconds(num_tokens))
         self._held[request.request_id] = _Held(request, time.monotonic() + self.max_wait_s, num_tokens)
         return True
 
@@ -137,13 +135,12 @@ class ColdTierBridge:
                               hashes[index - 1] if index else root, tuple(token_ids[index * bs:(index + 1) * bs]))
                 for index in range(first, last)]
 
-    def _not_worth_it(self, num_tokens: int) -> bool:
-        """Measured: reading these tokens' blocks would take longer than computing them."""
+    def _compute_seconds(self, num_tokens: int) -> Optional[float]:
+        """Computing these tokens at the measured prefill rate (None before one is measured)."""
         cost = self.preemption_cost
-        if self.read_bytes_per_s is None or cost is None or not cost.prefill_tokens_per_s:
-            return False
-        read_s = num_tokens * cost.kv_bytes_per_token / self.read_bytes_per_s
-        return read_s > num_tokens / cost.prefill_tokens_per_s
+        if cost is None or not cost.prefill_tokens_per_s:
+            return None
+        return num_tokens / cost.prefill_tokens_per_s
 
     @property
     def num_held(self) -> int:
@@ -175,9 +172,6 @@ class ColdTierBridge:
 
     def _install(self, read: ColdRead) -> None:
         if read.payloads:
-            nbytes = sum(len(p) for p in read.payloads)
-            if read.seconds > 0:
-                self.read_bytes_per_s = smooth(self.read_bytes_per_s, nbytes / read.seconds)
             host_ids, payloads = [], []
             for identity, payload, source in zip(read.identities, read.payloads, read.sources):
                 host_id = self.host_tier.store(identity.block_hash, identity.parent_hash, identity.token_ids,
@@ -196,8 +190,9 @@ class ColdTierBridge:
 
     def prefetch_outcomes(self) -> dict[str, int]:
         tiers = self.tiers
-        return {"found": tiers.prefetch_hits, "missed": tiers.prefetches_done - tiers.prefetch_hits,
-                "timed_out": self.prefetch_timeouts, "skipped": self.prefetch_skipped}
+        return {"found": tiers.prefetch_hits,
+                "missed": tiers.prefetches_done - tiers.prefetch_hits - tiers.prefetches_skipped,
+                "timed_out": self.prefetch_timeouts, "skipped": tiers.prefetches_skipped}
 
     def _release(self, request_id: str) -> None:
         if self._held.pop(request_id, None) is not None:

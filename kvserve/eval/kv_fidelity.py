@@ -37,6 +37,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import ScheduledRequest
 from kvserve.config import resolve_format_name
 from kvserve.kvstore.spec import KV_FORMAT_OPTIONS
+from kvserve.press import press_names
 
 
 def default_text() -> str:
@@ -259,6 +260,7 @@ class FormatResult:
     perplexity: Optional[dict[str, Any]] = None
     greedy: Optional[dict[str, Any]] = None
     passkey: Optional[dict[str, Any]] = None
+    presses: Optional[list[dict[str, Any]]] = None     # a press format: what its press did (PressStats)
 
 
 def evaluate_format(name: str, format_options: dict[str, Any], base_options: dict[str, Any],
@@ -272,7 +274,7 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
     capacity = kv_budget_bytes // spec.bytes_per_token
     result = FormatResult(name, format_options, spec.bytes_per_token, capacity, round(capacity_ratio(spec), 4),
                           engine.runner.forward_path.name)
-    if segments:
+    if segments and not format_options.get("kv_press"):
         result.perplexity = asdict(decode_perplexity(engine, segments))
         result.perplexity.pop("nll_per_segment")
     outputs: list[list[int]] = []
@@ -282,6 +284,8 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
             result.greedy = agreement(reference_greedy, outputs)
     if passkey_len:
         result.passkey = passkey_retrieval(engine, passkey_len, passkey_depths)
+    if format_options.get("kv_press"):
+        result.presses = [asdict(stats) for stats in engine.make_stats().presses]
     del engine
     return result, outputs
 
@@ -340,6 +344,13 @@ DEFAULT_FORMATS: dict[str, dict[str, Any]] = {
                                       "kv_static_scale_parts": "k"},
     "int8-static-kv": {"kv_cache_dtype": "int8", "kv_scales_file": "@scales", "kv_static_scale_parts": "kv"},
 }
+# KV presses (docs/kv_compression.md), in the full-precision cache: "snapkv@0.25" keeps a quarter of
+# each prompt's KV. Perplexity is not measured for them (it is scored outside the engine's steps,
+# where no press runs); the greedy agreement and the passkey go through the engine and are.
+PRESS_KEEP_RATIOS = (0.5, 0.25, 0.125)
+DEFAULT_FORMATS.update({f"{press}@{ratio}": {"kv_cache_dtype": "auto", "kv_press": press, "kv_keep_ratio": ratio,
+                                             "kv_press_min_tokens": 64, "kv_press_window": 64}
+                        for press in press_names() for ratio in PRESS_KEEP_RATIOS})
 
 
 def select_formats(names: list[str], scales_file: Optional[str]) -> dict[str, dict[str, Any]]:

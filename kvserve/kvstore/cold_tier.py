@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kvserve.kvstore.cold_block import BlockIdentity, ColdBlockError, decode_block, encode_block
 from kvserve.kvstore.cold_store import ColdStore, block_key
@@ -33,6 +33,7 @@ from kvserve.stats import ColdStoreStats
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_WRITES = 4096
+RATE_SMOOTHING = 0.3                 # weight of a new read-rate observation
 READ_CHUNK_BYTES = 16 << 20          # one store call of a prefetch: large enough to stream, small enough to spread
 WRITE_CHUNK_BYTES = 16 << 20
 
@@ -46,6 +47,7 @@ class ColdRead:
     payloads: list[memoryview]
     sources: list[str]           # the store each block came from
     seconds: float
+    skipped: bool = False        # not read: reading it from where it is was measured slower than computing it
 
 
 class ColdTiers:
@@ -66,28 +68,52 @@ class ColdTiers:
         self._pending: dict[str, int] = {store.name: 0 for store in self.stores}     # blocks queued per store
         self.max_pending_writes = max_pending_writes
         self.writes_dropped = 0
-        self.prefetches_done = self.prefetch_hits = 0
+        self.prefetches_done = self.prefetch_hits = self.prefetches_skipped = 0
+        # Each store's measured read rate (bytes/s, from prefetches served by that store alone).
+        self.read_rates: dict[str, float] = {}
 
     # --- reads --------------------------------------------------------------------------------------
-    def prefetch(self, request_id: str, identities: Sequence[BlockIdentity]) -> None:
+    def prefetch(self, request_id: str, identities: Sequence[BlockIdentity],
+                 compute_s: Optional[float] = None) -> None:
         """Starts reading the blocks of `identities` (a prefix, in order) on a worker thread; the
-        result arrives through `poll`, also when nothing was found."""
-        self._reads.submit(self._read, request_id, list(identities))
+        result arrives through `poll`, also when nothing was found. `compute_s`: what computing
+        these tokens is expected to take; once the stores holding them are known, a read expected
+        to take longer (each store's measured rate) is not started (`ColdRead.skipped`)."""
+        self._reads.submit(self._read, request_id, list(identities), compute_s)
 
-    def _read(self, request_id: str, identities: list[BlockIdentity]) -> None:
+    def _read(self, request_id: str, identities: list[BlockIdentity], compute_s: Optional[float] = None) -> None:
         started = time.perf_counter()
+        skipped = False
         try:
-            payloads, sources = self._read_prefix(identities)
+            payloads, sources, skipped = self._read_prefix(identities, compute_s)
         except Exception:                      # a bug, not a store fault (stores never raise): a miss
             logger.exception("cold KV tier: prefetch of %d blocks failed", len(identities))
             payloads, sources = [], []
+        seconds = time.perf_counter() - started
         with self._lock:
             self.prefetches_done += 1
             self.prefetch_hits += bool(payloads)
-        self._done.put(ColdRead(request_id, identities[:len(payloads)], payloads, sources,
-                                time.perf_counter() - started))
+            self.prefetches_skipped += skipped
+            if payloads and seconds > 0 and len(set(sources)) == 1:
+                rate = sum(len(p) for p in payloads) / seconds
+                self.read_rates[sources[0]] = smooth_rate(self.read_rates.get(sources[0]), rate)
+        self._done.put(ColdRead(request_id, identities[:len(payloads)], payloads, sources, seconds, skipped))
 
-    def _read_prefix(self, identities: list[BlockIdentity]) -> tuple[list[memoryview], list[str]]:
+    def _expected_read_s(self, holder: Sequence[Optional[ColdStore]], run: int) -> Optional[float]:
+        """Seconds to read the first `run` blocks from their stores at the measured rates (None while
+        a store holding some of them has no rate yet)."""
+        with self._lock:
+            rates = dict(self.read_rates)
+        total = 0.0
+        for store in {h.name: h for h in holder[:run]}.values():
+            rate = rates.get(store.name)
+            if not rate:
+                return None
+            total += sum(1 for h in holder[:run] if h is store) * self.payload_nbytes / rate
+        return total
+
+    def _read_prefix(self, identities: list[BlockIdentity], compute_s: Optional[float] = None
+                     ) -> tuple[list[memoryview], list[str], bool]:
         keys = [self.key_of(identity) for identity in identities]
         # Which store holds each block: the first in lookup order that has it.
         holder: list[ColdStore | None] = [None] * len(keys)
@@ -99,6 +125,10 @@ class ColdTiers:
                 if present:
                     holder[i] = store
         run = next((i for i, h in enumerate(holder) if h is None), len(holder))
+        if run and compute_s is not None:
+            expected = self._expected_read_s(holder, run)
+            if expected is not None and expected > compute_s:
+                return [], [], True
         chunk = max(1, READ_CHUNK_BYTES // max(1, self.payload_nbytes))
         pieces = []                              # consecutive blocks of one store, at most `chunk` long
         start = 0
@@ -122,7 +152,7 @@ class ColdTiers:
             payloads += got
             sources += [store.name] * len(got)
             complete = len(got) == end - start
-        return payloads, sources
+        return payloads, sources, False
 
     def _read_chunk(self, store: ColdStore, keys: list[str], identities: list[BlockIdentity]) -> list[memoryview]:
         """The verified payloads of the leading blocks of `keys` that `store` returned intact."""
@@ -136,7 +166,8 @@ class ColdTiers:
 
     def read(self, identities: Sequence[BlockIdentity]) -> tuple[list[memoryview], list[str]]:
         """The same read as a prefetch, on the calling thread (benchmarks: a tier's read bandwidth)."""
-        return self._read_prefix(list(identities))
+        payloads, sources, _ = self._read_prefix(list(identities))
+        return payloads, sources
 
     def _verified(self, store: ColdStore, key: str, value: bytes | None,
                   identity: BlockIdentity) -> memoryview | None:
@@ -224,3 +255,7 @@ class ColdTiers:
             pool.shutdown(wait=True)
         for store in self.stores:
             store.close()
+
+
+def smooth_rate(current: Optional[float], value: float) -> float:
+    return value if current is None else (1 - RATE_SMOOTHING) * current + RATE_SMOOTHING * value

@@ -70,6 +70,9 @@ def test_eval_kv_runs_every_listed_format(chat_model, text_file, scales_file, tm
     assert result["reference"] == REFERENCE_FORMAT and result["attention_backend"] == "torch"
     for name, row in rows.items():
         assert row["attention_backend"] == "torch", name
+        if row["options"].get("kv_press"):
+            assert row["perplexity"] is None, name          # not measurable outside the engine's steps
+            continue
         assert row["perplexity"]["tokens_scored"] == 7 and row["perplexity"]["perplexity"] > 1, name
         if name == REFERENCE_FORMAT:
             assert row["greedy"] is None and row["perplexity"]["delta_vs_reference_pct"] == 0
@@ -151,3 +154,20 @@ def test_native_and_torch_forward_agree_at_full_precision(tiny_checkpoint):
         forced[backend] = teacher_forced_logprobs(engine, prompts, continuations)
     for native, reference in zip(forced["native"], forced["torch"]):
         torch.testing.assert_close(native, reference, atol=1e-4, rtol=0)
+
+
+def test_eval_kv_runs_presses_through_the_engine(chat_model, text_file, tmp_path):
+    """A press format prunes the greedy prompts (they pass its 64-token minimum) and the passkey
+    prompt; its perplexity is not reported (scored outside the engine's steps, it would be full KV's)."""
+    out = tmp_path / "eval.json"
+    args = _eval_kv(chat_model, text_file, ["full", "streaming_llm@0.25"], "--passkey-len", "400",
+                    "--max-model-len", "1024", "--json", str(out))
+    args[args.index("--prompt-len") + 1] = "200"
+    args[args.index("--greedy-tokens") + 1] = "8"
+    assert main(args) == 0
+    full, pressed = json.loads(out.read_text())["formats"]
+    assert pressed["options"]["kv_press"] == "streaming_llm" and pressed["perplexity"] is None
+    assert full["perplexity"] is not None
+    assert pressed["greedy"] is not None and pressed["passkey"]["trials"]
+    (stats,) = pressed["presses"]
+    assert stats["press"] == "streaming_llm" and stats["applied"] == 4 and stats["tokens_pruned"] > 0

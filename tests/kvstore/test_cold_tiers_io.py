@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.kvstore import cold_tier
-from kvserve.kvstore.cold_block import BlockIdentity
+from kvserve.kvstore.cold_block import BlockIdentity, encode_block
 from kvserve.kvstore.cold_tier import ColdTiers
 from kvserve.kvstore.disk_store import DiskStore
 from kvserve.kvstore.host_rows import HostRows
@@ -148,3 +148,37 @@ def test_host_rows_write_rows_matches_scatter():
     expected.scatter(ids, torch.tensor([list(p) for p in payloads], dtype=torch.uint8))
     assert torch.equal(rows.gather(list(range(10))), expected.gather(list(range(10))))
     assert torch.equal(rows.gather([3]), torch.full((1, 64), 2, dtype=torch.uint8))
+
+
+def _prefetched(tiers: ColdTiers, identities, compute_s=None):
+    tiers.prefetch("r", identities, compute_s)
+    reads = tiers.wait(10.0)
+    assert len(reads) == 1
+    return reads[0]
+
+
+class SlowDisk(CountingDisk):
+    name = "remote"
+
+
+def test_a_read_measured_slower_than_computing_is_not_started_per_store(tmp_path):
+    fast = CountingDisk(str(tmp_path / "fast"))
+    slow = SlowDisk(str(tmp_path / "slow"), delay_s=0.2)
+    tiers = ColdTiers([fast, slow], PAYLOAD)
+    identities, payloads = _identities(8), _payloads(8)
+    # Blocks 0-3 on the fast store only, 4-7 on the slow one only (written there directly).
+    fast.put_many([(tiers.key_of(i), encode_block(i, p), i.namespace) for i, p in zip(identities[:4], payloads)])
+    slow.put_many([(tiers.key_of(i), encode_block(i, p), i.namespace) for i, p in zip(identities[4:], payloads[4:])])
+    first, second = [identities[:4]], [identities[4:]]
+    # Unknown rates: both are read, and their rates measured.
+    assert len(_prefetched(tiers, first[0], compute_s=1e-9).payloads) == 4
+    assert len(_prefetched(tiers, second[0], compute_s=1e-9).payloads) == 4
+    assert tiers.read_rates["remote"] < tiers.read_rates["disk"]
+    # Computing takes 0.05 s: the slow store's read (0.2 s a call) is not started, the fast one's is.
+    calls = slow.calls
+    skipped = _prefetched(tiers, second[0], compute_s=0.05)
+    assert skipped.skipped and not skipped.payloads and slow.calls == calls
+    assert len(_prefetched(tiers, first[0], compute_s=0.05).payloads) == 4
+    assert len(_prefetched(tiers, second[0], compute_s=10.0).payloads) == 4     # slower to compute: read
+    assert tiers.prefetches_skipped == 1
+    tiers.close()
