@@ -9,7 +9,8 @@ and is what lets a restarted server find blocks its host tier held.
 
 Up: when a request arrives, its prompt's full blocks beyond what the GPU cache and the host tier
 hold are looked up in the cold stores on a worker thread (`ColdTiers.prefetch`) while the request
-is held out of the waiting queue. What comes back is placed in host-tier blocks, so the request's
+is held out of the waiting queue. What comes back, chunk by chunk as it is read, is placed in
+host-tier blocks at the next step (the copy overlaps the later chunks' reads), so the request's
 lookup then finds it there and the host tier's own load path moves it to the GPU, overlapped with
 other requests' steps. A request waits at most `kv_cold_max_wait` seconds; a read that would take
 longer than recomputing those tokens (each store's measured read rate, once the stores holding the
@@ -186,7 +187,8 @@ class ColdTierBridge:
                 self.transfers.synchronize()
                 self.host_store.write_block_bytes(host_ids, payloads)
                 self.blocks_installed += len(host_ids)
-        self._release(read.request_id)
+        if read.final:
+            self._release(read.request_id)
 
     def prefetch_outcomes(self) -> dict[str, int]:
         tiers = self.tiers

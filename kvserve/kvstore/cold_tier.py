@@ -7,8 +7,8 @@ its thread pools:
   `reads_in_flight` chunks at once (one file read or one MGET after another is bound by a single
   round trip's latency, not by the disk's or the network's bandwidth), verified on the reading
   thread (`cold_block.decode_block`: identity and checksum; a failed check is a miss and the entry is
-  removed) and handed back through `poll` as one `ColdRead`, the longest run of blocks from the
-  first missing one's left;
+  removed) and handed back through `poll` chunk by chunk, in prefix order, as `ColdRead`s whose
+  last is `final`: the longest run of blocks from the first missing one's left;
 - writes (`persist`): blocks copied out of the host tier, encoded and written to each store on that
   store's own threads, so a slow remote never holds the disk back. Each store's queue is bounded
   (`max_pending_writes` blocks): past it a write is dropped and counted, never waited for.
@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kvserve.kvstore.cold_block import BlockIdentity, ColdBlockError, decode_block, encode_block
 from kvserve.kvstore.cold_store import ColdStore, block_key
@@ -48,6 +48,9 @@ class ColdRead:
     sources: list[str]           # the store each block came from
     seconds: float
     skipped: bool = False        # not read: reading it from where it is was measured slower than computing it
+    # A prefetch arrives in pieces, in prefix order, as its chunks are read (the engine places each
+    # in the host tier at once, so that copy overlaps the later reads); the last one is `final`.
+    final: bool = True
 
 
 class ColdTiers:
@@ -84,8 +87,16 @@ class ColdTiers:
     def _read(self, request_id: str, identities: list[BlockIdentity], compute_s: Optional[float] = None) -> None:
         started = time.perf_counter()
         skipped = False
+        posted = 0
+
+        def post(payloads: list[memoryview], sources: list[str]) -> None:
+            nonlocal posted
+            self._done.put(ColdRead(request_id, identities[posted:posted + len(payloads)], payloads, sources,
+                                    time.perf_counter() - started, final=False))
+            posted += len(payloads)
+
         try:
-            payloads, sources, skipped = self._read_prefix(identities, compute_s)
+            payloads, sources, skipped = self._read_prefix(identities, compute_s, post)
         except Exception:                      # a bug, not a store fault (stores never raise): a miss
             logger.exception("cold KV tier: prefetch of %d blocks failed", len(identities))
             payloads, sources = [], []
@@ -97,7 +108,10 @@ class ColdTiers:
             if payloads and seconds > 0 and len(set(sources)) == 1:
                 rate = sum(len(p) for p in payloads) / seconds
                 self.read_rates[sources[0]] = smooth_rate(self.read_rates.get(sources[0]), rate)
-        self._done.put(ColdRead(request_id, identities[:len(payloads)], payloads, sources, seconds, skipped))
+        # What was not posted yet (a read on the calling thread posts nothing), then the end.
+        rest = len(payloads) - posted
+        self._done.put(ColdRead(request_id, identities[posted:len(payloads)], payloads[posted:] if rest else [],
+                                sources[posted:] if rest else [], seconds, skipped, final=True))
 
     def _expected_read_s(self, holder: Sequence[Optional[ColdStore]], run: int) -> Optional[float]:
         """Seconds to read the first `run` blocks from their stores at the measured rates (None while
@@ -112,8 +126,11 @@ class ColdTiers:
             total += sum(1 for h in holder[:run] if h is store) * self.payload_nbytes / rate
         return total
 
-    def _read_prefix(self, identities: list[BlockIdentity], compute_s: Optional[float] = None
+    def _read_prefix(self, identities: list[BlockIdentity], compute_s: Optional[float] = None,
+                     on_chunk: Optional[Callable[[list[memoryview], list[str]], None]] = None
                      ) -> tuple[list[memoryview], list[str], bool]:
+        """(payloads, their stores, skipped) of the prefix's leading blocks; `on_chunk` gets each
+        chunk's part, in order, as soon as it and the chunks before it are read."""
         keys = [self.key_of(identity) for identity in identities]
         # Which store holds each block: the first in lookup order that has it.
         holder: list[ColdStore | None] = [None] * len(keys)
@@ -152,6 +169,8 @@ class ColdTiers:
             payloads += got
             sources += [store.name] * len(got)
             complete = len(got) == end - start
+            if on_chunk is not None and got:
+                on_chunk(got, [store.name] * len(got))
         return payloads, sources, False
 
     def _read_chunk(self, store: ColdStore, keys: list[str], identities: list[BlockIdentity]) -> list[memoryview]:
@@ -182,7 +201,7 @@ class ColdTiers:
             return None
 
     def poll(self) -> list[ColdRead]:
-        """Prefetches finished since the last poll, without waiting."""
+        """Prefetch pieces read since the last poll (a prefetch's last one is `final`), without waiting."""
         done = []
         while True:
             try:

@@ -151,10 +151,19 @@ def test_host_rows_write_rows_matches_scatter():
 
 
 def _prefetched(tiers: ColdTiers, identities, compute_s=None):
+    """The prefetch's pieces joined (checked: in prefix order, the last one final)."""
+    from kvserve.kvstore.cold_tier import ColdRead
     tiers.prefetch("r", identities, compute_s)
-    reads = tiers.wait(10.0)
-    assert len(reads) == 1
-    return reads[0]
+    pieces = []
+    while not pieces or not pieces[-1].final:
+        got = tiers.wait(10.0)
+        assert got, "the prefetch did not finish"
+        pieces += got
+    assert all(not p.final for p in pieces[:-1])
+    ids = [i for p in pieces for i in p.identities]
+    assert ids == list(identities[:len(ids)])
+    return ColdRead("r", ids, [x for p in pieces for x in p.payloads], [x for p in pieces for x in p.sources],
+                    pieces[-1].seconds, pieces[-1].skipped)
 
 
 class SlowDisk(CountingDisk):
@@ -181,4 +190,21 @@ def test_a_read_measured_slower_than_computing_is_not_started_per_store(tmp_path
     assert len(_prefetched(tiers, first[0], compute_s=0.05).payloads) == 4
     assert len(_prefetched(tiers, second[0], compute_s=10.0).payloads) == 4     # slower to compute: read
     assert tiers.prefetches_skipped == 1
+    tiers.close()
+
+
+def test_a_prefetch_arrives_chunk_by_chunk_before_its_end(tmp_path, small_chunks):
+    disk = CountingDisk(str(tmp_path), delay_s=0.05)
+    tiers = ColdTiers([disk], PAYLOAD, reads_in_flight=1)       # one chunk after another
+    identities, payloads = _identities(16), _payloads(16)
+    tiers.persist(list(zip(identities, payloads)))
+    assert tiers.flush(10.0)
+    tiers.prefetch("r", identities)
+    first = tiers.wait(10.0)
+    assert first and not first[0].final and len(first[0].payloads) == 4      # the first chunk, early
+    whole = first
+    while not whole[-1].final:
+        whole += tiers.wait(10.0)
+    assert [bytes(p) for r in whole for p in r.payloads] == payloads
+    assert [i for r in whole for i in r.identities] == identities
     tiers.close()
