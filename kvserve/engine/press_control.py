@@ -150,10 +150,17 @@ class PressControl:
                     counts.skipped += 1
                     request.publish_limit = None          # nothing rewritten: every block may be shared
                 continue
-            table = kv_manager.block_table(request.request_id)
             queries = runner.observed.get(request.request_id) if plan.press.needs_queries else None
+            if plan.press.needs_queries and not queries:
+                # Nothing was observed for it (cannot happen in a step `due` planned): left whole
+                # rather than scored on nothing.
+                counts.skipped += first
+                if first:
+                    request.publish_limit = None
+                continue
             if queries is not None:
                 queries = [q[-region:] for q in queries]   # a window longer than the region: its own tokens only
+            table = kv_manager.block_table(request.request_id)
             intact = compact(runner.kv_store, plan.press, table, protected, end, keep, queries, self.scale)
             limit = (protected + intact) // self.block_size * self.block_size
             request.publish_limit = limit if request.publish_limit is None else min(request.publish_limit, limit)

@@ -235,3 +235,14 @@ def test_a_pressed_request_preempted_by_recompute_gives_the_same_tokens(checkpoi
                 done[output.request_id] = output.outputs[0].token_ids
     assert engine.scheduler.num_preemptions_total > 0
     assert done["a"] == alone
+
+
+def test_a_press_with_nothing_observed_leaves_the_request_whole(checkpoint, monkeypatch):
+    folder, _ = checkpoint
+    engine = _engine(folder)
+    monkeypatch.setattr(engine.runner, "_split_observation", lambda *args: {})
+    free = engine.kv_manager.num_free_blocks
+    assert len(_run(engine, PROMPT, _greedy(kv_press="snapkv", kv_keep_ratio=0.25))) == MAX_NEW
+    stats = {p.press: p for p in engine.make_stats().presses}["snapkv"]
+    assert (stats.applied, stats.skipped, stats.tokens_pruned) == (0, 1, 0)
+    assert engine.kv_manager.num_free_blocks == free
