@@ -160,7 +160,7 @@ def test_the_size_cap_evicts_least_recently_used_files(folder, cold_tokens, tmp_
     disk = str(tmp_path / "kv")
     with _llm(folder, disk) as llm:
         _tokens(llm, PROMPT)
-        block_file = os.path.getsize(_files(disk)[0])
+    block_file = os.path.getsize(_files(disk)[0])      # after close: the writes run on threads until then
     with _llm(folder, disk, disk_size=block_file * 6) as llm:
         # The index rebuilt at start counts the 11 files against a cap of 6: the oldest go.
         llm.engine.cold.tiers.stores[0].scan_done.wait(10)
