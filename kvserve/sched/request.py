@@ -6,7 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -37,6 +37,12 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_REJECTED)
 
 
+class PressPlanLike(Protocol):
+    """What the request needs of its press plan (engine/press_control.py's PressPlan owns the rest)."""
+
+    def reset(self, request: "Request") -> None: ...
+
+
 @dataclass
 class Request:
     request_id: str
@@ -58,7 +64,7 @@ class Request:
     # recomputes after preemption is pressed at the same point as the first time, and its outputs
     # are then recomputed over the pressed KV, as they were first computed.
     press_stop: Optional[int] = None
-    press: Optional[Any] = None          # its PressPlan (engine/press_control.py), or None
+    press: Optional["PressPlanLike"] = None    # its PressPlan (engine/press_control.py), or None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[int | str] = None
     generator: Optional[torch.Generator] = None
