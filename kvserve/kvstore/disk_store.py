@@ -9,7 +9,9 @@ and is removed as a miss.
 At start the index (key -> size, least recently used first, by file modification time) is rebuilt
 from the directory on a background thread within `scan_budget_s`; until a file is indexed it can
 still be read (a lookup opens the file by name), only the size cap does not count it yet. Files
-whose header cannot be read are removed. Over the cap, least recently used files go first. A full
+whose header cannot be read are removed, and so are temporary files a crashed writer left: those
+modified over a second before this store opened (one written since is a write in flight, here or in another
+process sharing the directory, and removing it would drop that write). Over the cap, least recently used files go first. A full
 disk (ENOSPC, EDQUOT) stops writes, not the server: writes are dropped (counted) until
 `retry_after_s` has passed, then tried again.
 """
@@ -59,6 +61,10 @@ class DiskStore:
         self.hits = self.misses = self.bytes_read = self.bytes_written = self.blocks_written = 0
         self.writes_dropped = self.evictions = self.corrupt = self.errors = 0
         self.scan_done = threading.Event()
+        # Wall clock, as files' modification times are; a second early because file systems stamp
+        # times from a coarse clock that may lag time.time() (a leftover younger than that waits for
+        # the next start).
+        self._tmp_cutoff = time.time() - 1.0
         self._scanner = threading.Thread(target=self._scan, args=(scan_budget_s,), name="kv-disk-scan", daemon=True)
         self._scanner.start()
 
@@ -87,7 +93,7 @@ class DiskStore:
                                        budget_s, len(found))
                         raise StopIteration
                     if entry.name.startswith(".tmp-"):
-                        self._remove(entry.path)       # a write a crash interrupted
+                        self._remove_if_left_by_a_crash(entry.path)
                         continue
                     if not entry.name.endswith(SUFFIX):
                         continue
@@ -118,6 +124,13 @@ class DiskStore:
             logger.info("disk KV tier at %s: %d blocks (%.1f MiB) from an earlier run, %d unreadable removed",
                         self.path, len(found), sum(size for _, _, size in found) / 2**20, removed)
         self.scan_done.set()
+
+    def _remove_if_left_by_a_crash(self, path: str) -> None:
+        try:
+            if os.stat(path).st_mtime < self._tmp_cutoff:
+                self._remove(path)
+        except FileNotFoundError:
+            pass                                   # renamed into place meanwhile
 
     @staticmethod
     def _header_readable(path: str) -> Optional[bool]:

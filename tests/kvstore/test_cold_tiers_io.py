@@ -4,6 +4,7 @@ never holds another back; HostRows takes the read payloads without stacking them
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -208,3 +209,19 @@ def test_a_prefetch_arrives_chunk_by_chunk_before_its_end(tmp_path, small_chunks
     assert [bytes(p) for r in whole for p in r.payloads] == payloads
     assert [i for r in whole for i in r.identities] == identities
     tiers.close()
+
+
+def test_the_start_scan_removes_a_crashed_write_but_not_one_in_flight(tmp_path):
+    """A temporary file older than the store is a crash's leftover; one written since is a write
+    in flight (here: this process's own first writes, racing the scan) and must survive it."""
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    leftover, in_flight = sub / ".tmp-crashed", sub / ".tmp-writing"
+    leftover.write_bytes(b"x" * 10)
+    in_flight.write_bytes(b"y" * 10)
+    os.utime(leftover, (time.time() - 3600, time.time() - 3600))
+    os.utime(in_flight, (time.time() + 60, time.time() + 60))
+    disk = DiskStore(str(tmp_path), 64 << 20)
+    assert disk.scan_done.wait(10.0)
+    assert not leftover.exists() and in_flight.exists()
+    disk.close()
