@@ -226,6 +226,16 @@ class CacheConfig:
                                     "read attention (snapkv, tova, h2o)", **bounds(ge=1))
     kv_press_slack: int = _opt(64, "with kv_keep_tokens, how far the KV may grow past the budget before the "
                                    "press runs again", **bounds(ge=1))
+    kv_press_mode: str = _opt("drop", "what a press does with the KV it would not keep: drop (freed for good) or "
+                                      "tier (whole blocks demoted to the host KV tier, with per-block key "
+                                      "summaries on the GPU; each decode step's query brings back the blocks "
+                                      "it ranks high; needs --kv-host-memory); requests may choose "
+                                      "(kv_press_mode)", choices=("drop", "tier"))
+    kv_tier_interval: int = _opt(4, "tier mode: decode steps between two rankings of a request's blocks (each "
+                                    "ranking records the step's query and bounds every block's attention)",
+                                 **bounds(ge=1))
+    kv_tier_recall_blocks: int = _opt(8, "tier mode: most blocks one ranking brings back from the host tier",
+                                      **bounds(ge=1))
     max_pinned_fraction: float = _opt(0.5, "most of the KV cache that pinned prefixes may hold (0-1)",
                                       **bounds(ge=0, le=1))
     # KV cache formats (kvserve/kvstore/; docs/kv_quantization.md).

@@ -85,6 +85,7 @@ class SamplingParams:
     kv_press: Optional[str] = None
     kv_keep_ratio: Optional[float] = None
     kv_keep_tokens: Optional[int] = None
+    kv_press_mode: Optional[str] = None      # "drop" or "tier"; None: the server's --kv-press-mode
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -118,6 +119,8 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of integers")
         if self.kv_press is not None and not isinstance(self.kv_press, str):
             _fail("kv_press", self.kv_press, "must be a press name (a string) or null")
+        if self.kv_press_mode is not None and self.kv_press_mode not in ("drop", "tier"):
+            _fail("kv_press_mode", self.kv_press_mode, "must be 'drop', 'tier' or null")
         if self.kv_keep_ratio is not None:
             _check_number("kv_keep_ratio", self.kv_keep_ratio)
 

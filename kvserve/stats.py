@@ -167,12 +167,15 @@ class SchedulerStats:
 class PressStats:
     """One press's counts since start (engine/press_control.py): requests it pruned, those it left
     whole (too short, or keeping everything), KV tokens removed (per layer and head: each head drops
-    the same count) and blocks given back to the pool."""
+    the same count) and blocks given back to the pool; in tier mode, KV tokens demoted to the host
+    tier and recalled from it (engine/kv_tiering.py)."""
     press: str
     applied: int
     skipped: int
     tokens_pruned: int
     blocks_freed: int
+    tokens_demoted: int = 0
+    tokens_recalled: int = 0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ at several depths of filler text) and answered greedily by
   after it at the original positions (as kvserve does).
 Both keep the first answer token from full attention (it comes from the prefill). SnapKV's
 observation window is 64 tokens on both sides (kvpress's default; kvserve's --kv-press-window).
+
+`--modes drop,tier` also runs kvserve's tiering mode (kv_press_mode "tier", engine/kv_tiering.py;
+kvpress has none): the same press picks the blocks that stay on the GPU, the rest go to a host tier
+and come back as the decode ranks them. The host tier needs prefix caching, so each prompt gets
+its own cache_salt there (nothing is shared between prompts, as with caching off).
 """
 
 from __future__ import annotations
@@ -68,6 +73,36 @@ def kvserve_answers(model: str, prompts: list[dict], configs: list[tuple[str, fl
     return out
 
 
+def kvserve_tier_answers(model: str, prompts: list[dict], configs: list[tuple[str, float]], max_tokens: int,
+                         threads: int, interval: int) -> dict:
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    out = {}
+    with LLM(model, max_model_len=8192, kv_cache_memory=4 << 30, kv_host_memory=4 << 30, kv_press_window=WINDOW,
+             kv_press_min_tokens=WINDOW, kv_tier_interval=interval) as llm:
+        engine = llm.engine
+        for press, ratio in configs:
+            if press == "full":
+                continue
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, kv_press=press,
+                                    kv_keep_ratio=ratio, kv_press_mode="tier")
+            started = time.perf_counter()
+            for index, prompt in enumerate(prompts):
+                engine.add_request(str(index), {"prompt_token_ids": prompt["token_ids"]}, params, cache_salt=str(index))
+            done = {}
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        done[output.request_id] = output.outputs[0].token_ids
+            texts = [engine.tokenizer.decode(done[str(index)]) for index in range(len(prompts))]
+            name = f"tier:{press}@{ratio}"
+            out[name] = {"answers": texts, "seconds": round(time.perf_counter() - started, 1)}
+            print(f"kvserve {name}: {score(prompts, texts):.2f} in {out[name]['seconds']} s", flush=True)
+        out["press_stats"] = [vars(stats) for stats in engine.make_stats().presses]
+    return out
+
+
 def score(prompts: list[dict], answers: list[str]) -> float:
     return sum(str(p["key"]) in a.replace(" ", "") for p, a in zip(prompts, answers)) / len(prompts)
 
@@ -84,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--kvpress-python", default=None, help="a Python with kvpress installed (else kvpress is skipped)")
     parser.add_argument("--skip-kvserve", action="store_true")
+    parser.add_argument("--modes", default="drop", help="kvserve's press modes: drop, tier or both (drop,tier)")
+    parser.add_argument("--tier-interval", type=int, default=1, help="tier mode: --kv-tier-interval")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -97,8 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"command": "python " + " ".join(sys.argv), "model": model, "window": WINDOW,
                      "prompts": [{k: v for k, v in p.items() if k != "token_ids"} | {"tokens": len(p["token_ids"])}
                                  for p in prompts], "kvserve": {}, "kvpress": {}}
-    if not args.skip_kvserve:
+    modes = args.modes.split(",")
+    if not args.skip_kvserve and "drop" in modes:
         results["kvserve"] = kvserve_answers(model, prompts, configs, args.max_tokens, args.threads)
+    elif not args.skip_kvserve:
+        results["kvserve"] = kvserve_answers(model, prompts, configs[:1], args.max_tokens, args.threads)
+    if not args.skip_kvserve and "tier" in modes:
+        tier = kvserve_tier_answers(model, prompts, configs, args.max_tokens, args.threads, args.tier_interval)
+        results["kvserve_press_stats"] = tier.pop("press_stats")
+        results["kvserve"].update(tier)
+        results["tier_interval"] = args.tier_interval
     if args.kvpress_python:
         with tempfile.TemporaryDirectory() as work:
             spec = os.path.join(work, "spec.json")

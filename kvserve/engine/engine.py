@@ -158,7 +158,8 @@ class Engine:
         self.cold = self._build_cold_tiers(host_tier)
         # KV compression: the presses prune the per-head K/V of the Llama family's attention.
         self.press = PressControl(cache_cfg, self.kv_spec,
-                                  "gqa" if isinstance(self.model, LlamaForCausalLM) else type(self.model).__name__)
+                                  "gqa" if isinstance(self.model, LlamaForCausalLM) else type(self.model).__name__,
+                                  host_tier=host_tier is not None)
         if self.scheduler.slo is not None:
             self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
         self.stats = EngineCounters()
@@ -433,7 +434,7 @@ class Engine:
                         f"running, {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} KV blocks "
                         f"free)")
                 return outputs
-            press_due = self.press.due(sched_out)
+            press_due = self.press.due(sched_out, self.kv_manager)
             if self._async and not press_due and self.runner.can_launch_ahead(sched_out):
                 launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight)
                 if self._inflight is not None:

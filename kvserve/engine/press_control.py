@@ -10,6 +10,9 @@ decode query, whenever the KV has grown `kv_press_slack` tokens past the budget.
 recomputes after a preemption is pressed at its prompt's end again (its chunks stop there until
 then), so with a keep ratio its outputs are recomputed over the same pressed KV.
 
+With `kv_press_mode` "tier" the press demotes whole blocks to the host tier instead of dropping
+tokens, and blocks come back when the decode's queries rank them high (engine/kv_tiering.py).
+
 Positions stay the original ones: the request's next token is at `num_computed_tokens`, its KV is
 `num_kv_tokens` long. The protected prefix is the whole blocks the request found in the prefix
 cache: shared blocks are never rewritten. Blocks the press rewrites are never published to the
@@ -22,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from kvserve.engine.kv_tiering import Tiering, TierCounts, TierState
 from kvserve.press import PRESSES, Press, make_press, press_names
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import PressStats
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     from kvserve.worker.runner import ModelRunner
 
 NO_PRESS = "none"         # a request's kv_press that turns the server's default off
+DROP, TIER = "drop", "tier"
+PRESS_MODES = (DROP, TIER)
 
 
 @dataclass
@@ -44,18 +50,21 @@ class PressPlan:
     press: Press
     keep_ratio: Optional[float]
     keep_tokens: Optional[int]
+    mode: str = DROP
     applied: bool = False
+    tier: Optional[TierState] = None          # mode "tier", once its blocks were tiered
 
     def reset(self, request: "Request") -> None:
         """Its KV is computed again from the start (recompute preemption): pruned again at its
         prompt's end, where the chunks stop until then (Request.press_stop)."""
         self.applied = False
+        self.tier = None
         request.publish_limit = 0
         request.press_stop = request.num_prompt_tokens
 
 
 @dataclass
-class _Counts:
+class _Counts(TierCounts):
     applied: int = 0
     skipped: int = 0
     tokens_pruned: int = 0
@@ -63,12 +72,17 @@ class _Counts:
 
 
 class PressControl:
-    def __init__(self, cache: "CacheConfig", kv_spec: "KVCacheSpec", model_kind: str) -> None:
+    def __init__(self, cache: "CacheConfig", kv_spec: "KVCacheSpec", model_kind: str,
+                 host_tier: bool = False) -> None:
         self.default_press = cache.kv_press
+        self.default_mode = cache.kv_press_mode
+        self.host_tier = host_tier
         self.default_ratio, self.default_tokens = cache.kv_keep_ratio, cache.kv_keep_tokens
         self.min_tokens, self.window, self.slack = cache.kv_press_min_tokens, cache.kv_press_window, cache.kv_press_slack
         self.block_size = cache.block_size
         self.scale = kv_spec.head_dim ** -0.5
+        self.tiering = Tiering(cache.block_size, cache.kv_press_window, cache.kv_tier_interval,
+                               cache.kv_tier_recall_blocks, self.scale)
         self._unsupported = None
         if model_kind != "gqa":
             self._unsupported = "the presses prune per-head K/V caches (Llama, Qwen2); this model caches MLA latents"
@@ -81,6 +95,15 @@ class PressControl:
             self._check(self.default_press, "--kv-press")
             if self.default_ratio is None and self.default_tokens is None:
                 raise ValueError("--kv-press needs --kv-keep-ratio or --kv-keep-tokens (how much it keeps)")
+        self._check_mode(self.default_mode, "--kv-press-mode")
+
+    def _check_mode(self, mode: str, field: str) -> str:
+        if mode not in PRESS_MODES:
+            raise ValueError(f"{field} {mode!r} is not a press mode; one of: {', '.join(PRESS_MODES)}")
+        if mode == TIER and not self.host_tier:
+            raise ValueError(f"{field} {mode!r} demotes KV blocks to the host KV tier, which is off "
+                             f"(--kv-host-memory)")
+        return mode
 
     def _check(self, name: str, field: str) -> Press:
         """The press; a ValueError whose first word is `field` (the server's 400 names it) otherwise."""
@@ -99,15 +122,17 @@ class PressControl:
                 raise ValueError("kv_keep_ratio and kv_keep_tokens need a press (kv_press, or the server's --kv-press)")
             return None
         press = self._check(name, "kv_press")
+        mode = self._check_mode(params.kv_press_mode if params.kv_press_mode is not None else self.default_mode,
+                                "kv_press_mode")
         ratio, tokens = params.kv_keep_ratio, params.kv_keep_tokens
         if ratio is None and tokens is None:
             ratio, tokens = self.default_ratio, self.default_tokens
         if ratio is None and tokens is None:
             raise ValueError("kv_keep_ratio (or kv_keep_tokens) is needed with a press: how much of the KV it keeps "
                              "(in the request, or the server's --kv-keep-ratio / --kv-keep-tokens)")
-        return PressPlan(press, ratio, tokens)
+        return PressPlan(press, ratio, tokens, mode)
 
-    def due(self, sched_out: "SchedulerOutput") -> dict[str, int]:
+    def due(self, sched_out: "SchedulerOutput", kv_manager: "KVCacheManager") -> dict[str, int]:
         """Requests whose press runs after this step, with the query rows their press needs recorded
         (0 for presses that read keys only)."""
         due: dict[str, int] = {}
@@ -119,7 +144,17 @@ class PressControl:
             if not plan.applied:
                 if request.num_computed_tokens + item.num_new_tokens < request.num_prompt_tokens:
                     continue                               # its prompt's end is not in this step
-                rows = self.window
+                # Tier mode ranks blocks on the last prompt token's query, whatever the press reads.
+                rows = self.window if plan.press.needs_queries else (1 if plan.mode == TIER else 0)
+                due[request.request_id] = rows
+                continue
+            elif plan.tier is not None:
+                tier_rows = self.tiering.due(plan.tier, item.samples_token, kv_manager, request.request_id)
+                if tier_rows is not None:
+                    due[request.request_id] = tier_rows          # the bounds read the query, whatever the press
+                continue
+            elif plan.mode == TIER:
+                continue                                   # left whole at its prompt's end
             elif item.samples_token and plan.keep_tokens is not None and \
                     request.num_kv_tokens + item.num_new_tokens > plan.keep_tokens + self.slack:
                 rows = 1                                   # the decode step's own query
@@ -137,6 +172,9 @@ class PressControl:
             first = not plan.applied
             plan.applied = True
             request.press_stop = None
+            if plan.tier is not None:
+                self._tier_step(request, plan, runner, kv_manager)
+                continue
             # Whole blocks it found in the prefix cache, and any it published since (a request whose
             # first press was skipped, pruned later by its budget): shared blocks are never rewritten.
             protected = max((request.num_cached_tokens or 0) // self.block_size * self.block_size,
@@ -150,7 +188,8 @@ class PressControl:
                     counts.skipped += 1
                     request.publish_limit = None          # nothing rewritten: every block may be shared
                 continue
-            queries = runner.observed.get(request.request_id) if plan.press.needs_queries else None
+            observed = runner.observed.get(request.request_id)
+            queries = observed if plan.press.needs_queries else None
             if plan.press.needs_queries and not queries:
                 # Nothing was observed for it (cannot happen in a step `due` planned): left whole
                 # rather than scored on nothing.
@@ -160,6 +199,18 @@ class PressControl:
                 continue
             if queries is not None:
                 queries = [q[-region:] for q in queries]   # a window longer than the region: its own tokens only
+            if plan.mode == TIER:
+                last_query = [q[-1] for q in observed] if observed else None
+                plan.tier = self.tiering.start(request, plan.press, runner.kv_store, kv_manager, protected, keep,
+                                               queries, last_query, counts)
+                if plan.tier is None:
+                    counts.skipped += 1
+                    request.publish_limit = None
+                else:
+                    counts.applied += 1
+                    # The table no longer follows the token order past the protected prefix.
+                    request.publish_limit = protected
+                continue
             table = kv_manager.block_table(request.request_id)
             intact = compact(runner.kv_store, plan.press, table, protected, end, keep, queries, self.scale)
             limit = (protected + intact) // self.block_size * self.block_size
@@ -168,6 +219,14 @@ class PressControl:
             counts.applied += first
             counts.tokens_pruned += region - keep
             counts.blocks_freed += kv_manager.truncate(request.request_id, protected + keep)
+
+    def _tier_step(self, request: "Request", plan: PressPlan, runner: "ModelRunner",
+                   kv_manager: "KVCacheManager") -> None:
+        state = plan.tier
+        protected = state.first_region * self.block_size
+        keep = self._keep(plan, protected, request.num_computed_tokens - protected)
+        self.tiering.step(request, state, runner.kv_store, kv_manager, keep, runner.observed.get(request.request_id),
+                          self._counts[plan.press.name])
 
     @staticmethod
     def _keep(plan: PressPlan, protected: int, region: int) -> int:

@@ -351,6 +351,14 @@ PRESS_KEEP_RATIOS = (0.5, 0.25, 0.125)
 DEFAULT_FORMATS.update({f"{press}@{ratio}": {"kv_cache_dtype": "auto", "kv_press": press, "kv_keep_ratio": ratio,
                                              "kv_press_min_tokens": 64, "kv_press_window": 64}
                         for press in press_names() for ratio in PRESS_KEEP_RATIOS})
+# The tiering mode (engine/kv_tiering.py): "tier:snapkv@0.25" keeps a quarter of the blocks on the
+# device, the rest in a host tier of its own, ranked on every decode step's query.
+TIER_HOST_MEMORY = 1 << 30
+DEFAULT_FORMATS.update({f"tier:{press}@{ratio}": {"kv_cache_dtype": "auto", "kv_press": press, "kv_keep_ratio": ratio,
+                                                  "kv_press_mode": "tier", "kv_host_memory": TIER_HOST_MEMORY,
+                                                  "kv_tier_interval": 1, "kv_press_min_tokens": 64,
+                                                  "kv_press_window": 64}
+                        for press in press_names() for ratio in PRESS_KEEP_RATIOS})
 
 
 def select_formats(names: list[str], scales_file: Optional[str]) -> dict[str, dict[str, Any]]:

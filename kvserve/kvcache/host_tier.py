@@ -59,6 +59,11 @@ class HostTier:
     def num_used_blocks(self) -> int:
         return len(self._by_hash)
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks neither cached nor held (by a swapped-out or tiered request)."""
+        return len(self._free)
+
     def holds(self, block_hash: bytes) -> bool:
         return block_hash in self._by_hash
 
@@ -174,15 +179,23 @@ class HostTier:
     def reserve(self, count: int) -> Optional[list[int]]:
         """`count` host blocks for a swapped-out request (free ones first, then least recently used
         cached ones), or None, taking nothing, when the tier cannot spare them."""
+        taken = self.hold(count)
+        if taken is None:
+            self.swap_failures += 1
+            return None
+        self.swapped_out += 1
+        return taken
+
+    def hold(self, count: int) -> Optional[list[int]]:
+        """`count` host blocks held outside the index until `release` (a swapped-out request's, or a
+        tiered request's demoted blocks), or None, taking nothing, when the tier cannot spare them."""
         taken: list[int] = []
         while len(taken) < count:
             host_id = self._take_block()
             if host_id is None:
                 self._free.extend(taken)
-                self.swap_failures += 1
                 return None
             taken.append(host_id)
-        self.swapped_out += 1
         return taken
 
     def swap_in(self, host_ids: Sequence[int]) -> None:
@@ -192,8 +205,9 @@ class HostTier:
         self.swapped_in += 1
 
     def release(self, host_ids: Sequence[int]) -> None:
-        """A swapped-out request finished without resuming (aborted): its host blocks are free
-        once this step's copies are handed on (a swap-out of this step may still write them)."""
+        """Held blocks are no longer needed (a swapped-out request finished without resuming, a
+        tiered request ended): free once this step's copies are handed on (a copy of this step may
+        still write or read them)."""
         self._release_after_step.extend(host_ids)
 
     def make_stats(self) -> HostTierStats:

@@ -17,6 +17,13 @@ kv_transfer.py): a write-back reads its block before the block's new owner overw
 load or swap-in carries a ticket. Until the worker reports the ticket landed (`complete_transfer`)
 the request is loading: the scheduler does not run it, and its table is not freed (an abort frees
 it when the copy has landed), so no other request's KV is written into blocks a copy still fills.
+
+Tiering (engine/kv_tiering.py) moves a running request's blocks between its table and host blocks
+it holds: `copy_to_host` copies blocks to host blocks held until the request is freed, `demote`
+drops blocks from the table (the rest keep their order; attention does not care where a block
+sits, RoPE is in the keys), and `recall` copies a held host block into a fresh GPU block while the
+request keeps running; once it has landed (`take_recalls`) the engine places it in the table
+(`insert_block`, `replace_block`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ class _Transfer:
     request_id: str
     purpose: str
     host_ids: list[int]
+
+
+# A ticketed copy that brings a tiered request's demoted block back while the request keeps running.
+RECALL = "recall"
 
 
 @dataclass
@@ -91,6 +102,12 @@ class KVCacheManager:
         self._touched: set[int] = set()
         # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
         self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
+        # Tiering: host blocks each request holds, recalls in flight (ticket -> request, GPU block)
+        # and landed ones not yet placed (request -> (ticket, GPU block or None if it failed)).
+        self._tier_host_ids: dict[str, list[int]] = {}
+        self._recalling: dict[int, tuple[str, int]] = {}
+        self._recalled: dict[str, list[tuple[int, Optional[int]]]] = {}
+        self.recall_failures = 0
         if host_tier is not None:
             prefix_cache.on_evict = self._write_back
 
@@ -123,7 +140,7 @@ class KVCacheManager:
         ticket = self._next_ticket
         self._next_ticket += 1
         self._transfers[ticket] = _Transfer(request_id, purpose, host_ids)
-        if purpose != SWAP_OUT:
+        if purpose not in (SWAP_OUT, RECALL):
             self._loading[request_id] = ticket
         return ticket
 
@@ -146,6 +163,14 @@ class KVCacheManager:
             self._touched.update(orphan)
             self.pool.free(reversed(orphan))
             return None
+        if transfer.purpose == RECALL:
+            _, block_id = self._recalling.pop(ticket)
+            if not ok:
+                self.recall_failures += 1
+                self._touched.add(block_id)
+                self.pool.free([block_id])
+            self._recalled.setdefault(request_id, []).append((ticket, block_id if ok else None))
+            return None             # the request ran on without the block; it still may
         if ok:
             return None
         self.host_tier.load_failures += 1
@@ -173,8 +198,8 @@ class KVCacheManager:
         changed) without a host tier or room in it. The copies run before the step's forward, so
         they read the blocks before anyone else's KV lands in them."""
         table = self._block_tables.get(request_id)
-        if self.host_tier is None or not table:
-            return False
+        if self.host_tier is None or not table or request_id in self._tier_host_ids:
+            return False            # a tiered request's table is not all of its KV: it recomputes
         host_ids = self.host_tier.reserve(len(table))
         if host_ids is None:
             return False
@@ -377,6 +402,7 @@ class KVCacheManager:
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
             self.host_tier.release(swapped[0])
+        self._free_tiering(request_id)
         table = self._block_tables.pop(request_id, None)
         state = self._cache_states.pop(request_id, None)
         if not table:
@@ -418,6 +444,84 @@ class KVCacheManager:
         self._touched.update(tail)
         self.pool.free(reversed(tail))
         return len(tail)
+
+    # --- tiering (engine/kv_tiering.py) -------------------------------------------------------------
+    def copy_to_host(self, request_id: str, positions: Sequence[int]) -> Optional[list[int]]:
+        """Copies the request's blocks at these table positions to host blocks it holds until it
+        is freed (in that order), or None, copying nothing, when the host tier cannot spare them.
+        The copies run before the next forward, so a block demoted now is read before it is reused."""
+        if self.host_tier is None:
+            return None
+        host_ids = self.host_tier.hold(len(positions))
+        if host_ids is None:
+            return None
+        table = self._block_tables[request_id]
+        self._queue_copies(DEVICE_STORE, HOST_STORE, [table[p] for p in positions], host_ids, SWAP_OUT)
+        self._tier_host_ids.setdefault(request_id, []).extend(host_ids)
+        return host_ids
+
+    def demote(self, request_id: str, positions: Sequence[int]) -> None:
+        """Drops the blocks at these table positions from the request's table (their KV is on the
+        host: `copy_to_host`) and frees them; the other blocks keep their order."""
+        table = self._block_tables[request_id]
+        drop = set(positions)
+        freed = [table[p] for p in sorted(drop)]
+        table[:] = [block for p, block in enumerate(table) if p not in drop]
+        self._touched.update(freed)
+        self.pool.free(freed)
+
+    def recall(self, request_id: str, host_id: int) -> Optional[int]:
+        """Starts copying one of the request's held host blocks into a fresh GPU block; the ticket
+        (reported by `take_recalls` once it landed), or None when no GPU block is free."""
+        if host_id not in self._tier_host_ids.get(request_id, ()):
+            raise ValueError(f"request {request_id} holds no host block {host_id}")
+        if self.pool.num_free_blocks < 1:
+            return None
+        block_id = self.pool.allocate(1)[0]
+        ticket = self._new_ticket(request_id, RECALL, [host_id])
+        self._recalling[ticket] = (request_id, block_id)
+        self._queue_copies(HOST_STORE, DEVICE_STORE, [host_id], [block_id], LOAD, ticket)
+        return ticket
+
+    def take_recalls(self, request_id: str) -> list[tuple[int, Optional[int]]]:
+        """(ticket, GPU block holding the recalled KV, or None if the copy failed) of the request's
+        recalls that ended since the last call; the blocks are the caller's to place."""
+        return self._recalled.pop(request_id, [])
+
+    def has_recalls(self, request_id: str) -> bool:
+        return bool(self._recalled.get(request_id))
+
+    def insert_block(self, request_id: str, index: int, block_id: int) -> None:
+        """Places a recalled full block at table position `index` (before the block that holds the
+        next token)."""
+        self._block_tables[request_id].insert(index, block_id)
+
+    def replace_block(self, request_id: str, index: int, block_id: int) -> None:
+        """Places a recalled block at table position `index` and frees the demoted one there."""
+        table = self._block_tables[request_id]
+        old, table[index] = table[index], block_id
+        self._touched.add(old)
+        self.pool.free([old])
+
+    def _free_tiering(self, request_id: str) -> None:
+        host_ids = self._tier_host_ids.pop(request_id, None)
+        if host_ids:
+            self.host_tier.release(host_ids)
+        for ticket, block_id in self._recalled.pop(request_id, []):
+            if block_id is not None:
+                self._touched.add(block_id)
+                self.pool.free([block_id])
+        unissued = {copy[3] for copy in self._pending_copies if copy[3] is not None}
+        for ticket, (owner, block_id) in list(self._recalling.items()):
+            if owner != request_id:
+                continue
+            del self._recalling[ticket]
+            if ticket in unissued:      # not handed to the worker yet: dropped, its block free now
+                self._pending_copies = [copy for copy in self._pending_copies if copy[3] != ticket]
+                del self._transfers[ticket]
+                self.pool.free([block_id])
+            else:                       # being filled: freed when the copy lands
+                self._orphaned[ticket] = [block_id]
 
     @property
     def num_tracked_requests(self) -> int:

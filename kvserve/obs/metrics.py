@@ -117,6 +117,8 @@ PRESS_METRIC_NAMES = (
     f"{NAMESPACE}:kv_press_requests_total",
     f"{NAMESPACE}:kv_press_tokens_pruned_total",
     f"{NAMESPACE}:kv_press_blocks_freed_total",
+    f"{NAMESPACE}:kv_press_tokens_demoted_total",
+    f"{NAMESPACE}:kv_press_tokens_recalled_total",
 )
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
@@ -181,12 +183,19 @@ def _press_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -
                                  "KV head: each drops the same count).", labels=labels + ["press"])
     blocks = CounterMetricFamily(f"{NAMESPACE}:kv_press_blocks_freed", "KV blocks presses gave back to the pool.",
                                  labels=labels + ["press"])
+    demoted = CounterMetricFamily(f"{NAMESPACE}:kv_press_tokens_demoted", "KV tokens the tier press mode moved "
+                                  "off the GPU to the host tier (per layer and KV head).", labels=labels + ["press"])
+    recalled = CounterMetricFamily(f"{NAMESPACE}:kv_press_tokens_recalled", "KV tokens the tier press mode brought "
+                                   "back from the host tier as the decode's queries ranked them high.",
+                                   labels=labels + ["press"])
     for press in snap.presses:
+        demoted.add_metric(values + [press.press], press.tokens_demoted)
+        recalled.add_metric(values + [press.press], press.tokens_recalled)
         requests.add_metric(values + [press.press, "applied"], press.applied)
         requests.add_metric(values + [press.press, "skipped"], press.skipped)
         tokens.add_metric(values + [press.press], press.tokens_pruned)
         blocks.add_metric(values + [press.press], press.blocks_freed)
-    yield from (requests, tokens, blocks)
+    yield from (requests, tokens, blocks, demoted, recalled)
 
 
 class _EngineStateCollector:

@@ -14,7 +14,7 @@ that leave the output unchanged (null always), which pass: SDKs send `tool_choic
 Extension fields beyond OpenAI's: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), priority / tenant,
 and the prefix-cache fields cache_salt (vLLM's name), pin_ttl and pin_prefix_tokens, and the KV
-compression fields kv_press, kv_keep_ratio and kv_keep_tokens (docs/kv_compression.md).
+compression fields kv_press, kv_keep_ratio, kv_keep_tokens and kv_press_mode (docs/kv_compression.md).
 """
 
 from __future__ import annotations
@@ -133,6 +133,9 @@ class _SamplingFields(_Strict):
     kv_keep_tokens: Optional[int] = Field(None, description="KV tokens the press keeps, kept as the output grows "
                                                             "(extension; instead of kv_keep_ratio)",
                                           json_schema_extra=_range(1))
+    kv_press_mode: Optional[Literal["drop", "tier"]] = Field(
+        None, description="what the press does with what it would not keep (extension): drop it, or tier it "
+                          "(blocks demoted to the host KV tier and brought back when the decode needs them)")
 
 
 class CompletionRequest(_SamplingFields):

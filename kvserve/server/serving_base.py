@@ -211,7 +211,8 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, kv_press=req.kv_press,
-                kv_keep_ratio=req.kv_keep_ratio, kv_keep_tokens=req.kv_keep_tokens)
+                kv_keep_ratio=req.kv_keep_ratio, kv_keep_tokens=req.kv_keep_tokens,
+                kv_press_mode=req.kv_press_mode)
         except ValueError as exc:
             raise from_value_error(exc) from None
 

@@ -24,7 +24,7 @@ def region_slots(block_table: list[int], start: int, end: int, block_size: int, 
     return (table[index // block_size] * block_size + index % block_size).to(device)
 
 
-def _read(part: KVPart, slots: torch.Tensor) -> torch.Tensor:
+def read_slots(part: KVPart, slots: torch.Tensor) -> torch.Tensor:
     if is_quantized(part):
         return part.gather_slots(slots).float()
     return part.view(-1, *part.shape[2:])[slots].float()
@@ -51,7 +51,7 @@ def compact(kv_store: KVCacheStore, press: Press, block_table: list[int], start:
     kept_slots = slots[:keep]
     intact = keep
     for layer, (key_part, value_part) in enumerate(kv_store):
-        inputs = PressInputs(_read(key_part, slots), _read(value_part, slots),
+        inputs = PressInputs(read_slots(key_part, slots), read_slots(value_part, slots),
                              queries[layer] if queries is not None else None, scale, layer)
         out = press.compress(inputs, keep)
         _write(key_part, kept_slots, out.keys)
@@ -63,3 +63,20 @@ def compact(kv_store: KVCacheStore, press: Press, block_table: list[int], start:
             # moved token: that one is not intact either.
             intact = min(intact, max(0, int(moved[0]) - 1))
     return intact
+
+
+def press_votes(kv_store: KVCacheStore, press: Press, block_table: list[int], start: int, end: int, keep: int,
+                queries: list[torch.Tensor] | None, scale: float) -> torch.Tensor:
+    """For the tiering mode: [blocks of end] float, how many (layer, KV head, token) the press keeps
+    in each of the request's blocks when it keeps `keep` of KV indices [start, end) per layer and
+    head (nothing is written)."""
+    bs = kv_store.block_size
+    slots = region_slots(block_table, start, end, bs, kv_store.device)
+    num_blocks = -(-end // bs)
+    votes = torch.zeros(num_blocks, dtype=torch.float32, device=kv_store.device)
+    for layer, (key_part, value_part) in enumerate(kv_store):
+        inputs = PressInputs(read_slots(key_part, slots), read_slots(value_part, slots),
+                             queries[layer] if queries is not None else None, scale, layer)
+        blocks = (press.compress(inputs, keep).kept.reshape(-1) + start) // bs
+        votes += torch.bincount(blocks, minlength=num_blocks).float()
+    return votes

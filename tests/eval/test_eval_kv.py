@@ -160,14 +160,18 @@ def test_eval_kv_runs_presses_through_the_engine(chat_model, text_file, tmp_path
     """A press format prunes the greedy prompts (they pass its 64-token minimum) and the passkey
     prompt; its perplexity is not reported (scored outside the engine's steps, it would be full KV's)."""
     out = tmp_path / "eval.json"
-    args = _eval_kv(chat_model, text_file, ["full", "streaming_llm@0.25"], "--passkey-len", "400",
-                    "--max-model-len", "1024", "--json", str(out))
+    args = _eval_kv(chat_model, text_file, ["full", "streaming_llm@0.25", "tier:snapkv@0.25"], "--passkey-len",
+                    "400", "--max-model-len", "1024", "--json", str(out))
     args[args.index("--prompt-len") + 1] = "200"
     args[args.index("--greedy-tokens") + 1] = "8"
     assert main(args) == 0
-    full, pressed = json.loads(out.read_text())["formats"]
+    full, pressed, tiered = json.loads(out.read_text())["formats"]
     assert pressed["options"]["kv_press"] == "streaming_llm" and pressed["perplexity"] is None
     assert full["perplexity"] is not None
     assert pressed["greedy"] is not None and pressed["passkey"]["trials"]
     (stats,) = pressed["presses"]
     assert stats["press"] == "streaming_llm" and stats["applied"] == 4 and stats["tokens_pruned"] > 0
+    # The tiering mode demotes blocks instead (tokens_pruned stays 0) and ranks them as it decodes.
+    (stats,) = tiered["presses"]
+    assert stats["press"] == "snapkv" and stats["applied"] > 0 and stats["tokens_demoted"] > 0
+    assert stats["tokens_pruned"] == 0 and tiered["passkey"]["trials"]

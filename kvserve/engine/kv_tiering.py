@@ -1,0 +1,232 @@
+"""Attention-score tiering: the press mode that demotes KV blocks to the host tier instead of
+dropping tokens, and brings them back when the decode's queries need them (kv_press_mode "tier").
+
+A tiered request's KV blocks are of three kinds. Hot: the first block (attention sinks), the blocks
+of the last `kv_press_window` tokens and the one that takes the next token; always on the GPU.
+Warm: other full blocks on the GPU, as many as the keep ratio (or token budget) allows. Cold: the
+rest, in host blocks the request holds (engine's host tier), with a summary of their keys (per
+layer, KV head and channel: min and max, worker/key_summaries.py) kept on the device.
+
+At the prompt's end the press scores the tokens as it would to prune them; a block's vote is how
+many of its tokens the press would keep (over layers and heads), and the best-voted blocks stay
+warm. Every full block is copied to the host once (a full block never changes), so demoting is
+freeing a GPU block. Every `kv_tier_interval` decode steps the step's own query is recorded and
+every full non-hot block, warm or cold, is ranked by Quest's bound on its attention logits (per
+layer and query head, the blocks among the top `budget` bounds get a vote; a resident block wins a
+tie, so blocks do not flap). Up to `kv_tier_recall_blocks` cold blocks that rank among the best are
+recalled: copied into fresh GPU blocks on the transfer stream while the request keeps decoding
+over what it has; once a copy has landed the block takes the place of the worst-ranked warm block
+(which is freed; its host copy stays). Attention reads only the table, whose order does not
+matter (RoPE is in the keys): the table's blocks are the resident ones, the request's KV length
+their tokens, and its positions stay the original ones (Request.num_pruned_tokens counts the
+cold tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from kvserve.worker.key_summaries import block_bounds, block_key_summaries, block_votes
+from kvserve.worker.press_apply import press_votes
+
+if TYPE_CHECKING:
+    from kvserve.kvcache.manager import KVCacheManager
+    from kvserve.kvstore import KVCacheStore
+    from kvserve.press import Press
+    from kvserve.sched.request import Request
+
+# A resident block's bonus when ranked: less than one vote, so it wins ties only.
+RESIDENT_BONUS = 0.5
+
+
+@dataclass
+class TierState:
+    """One tiered request's blocks by logical number: block b holds its tokens [b * bs, (b + 1) * bs)."""
+    table_logicals: list[int]                 # the logical block at each position of the request's table
+    next_logical: int                         # the number the table's next new block gets
+    first_region: int                         # logical blocks below it are its shared prefix: stay resident
+    host_of: dict[int, int] = field(default_factory=dict)     # logical -> host block holding its copy
+    summaries: Optional[torch.Tensor] = None  # [capacity, layers, kv_heads, 2, head_dim], row = logical
+    num_summarized: int = 0                   # logical blocks [0, num_summarized) have summaries
+    recalls: dict[int, tuple[int, Optional[int]]] = field(default_factory=dict)  # ticket -> (logical, victim)
+    steps: int = 0                            # decode steps since the last ranking
+
+
+@dataclass
+class TierCounts:
+    tokens_demoted: int = 0
+    tokens_recalled: int = 0
+
+
+class Tiering:
+    def __init__(self, block_size: int, window: int, interval: int, max_recalls: int, scale: float) -> None:
+        self.block_size, self.window, self.interval, self.max_recalls = block_size, window, interval, max_recalls
+        self.scale = scale
+
+    def _hot(self, num_positions: int) -> set[int]:
+        """Logical blocks that stay on the GPU: the first, and those of the last `window` tokens."""
+        bs = self.block_size
+        return {0} | set(range(max(0, num_positions - self.window) // bs, -(-num_positions // bs)))
+
+    def _warm_budget(self, keep_blocks: int, region: list[int], hot: set[int]) -> int:
+        return max(0, keep_blocks - sum(1 for b in region if b in hot))
+
+    # --- at the prompt's end ------------------------------------------------------------------------
+    def start(self, request: "Request", press: "Press", kv_store: "KVCacheStore", kv_manager: "KVCacheManager",
+              protected: int, keep: int, queries: Optional[list[torch.Tensor]],
+              last_query: Optional[list[torch.Tensor]], counts: TierCounts) -> Optional[TierState]:
+        """Demotes the blocks the press scores worst; None (nothing changed) when none would be, or
+        the host tier cannot take the request's blocks."""
+        bs = self.block_size
+        rid = request.request_id
+        end = request.num_kv_tokens                        # nothing pruned yet: positions == KV indices
+        table = kv_manager.block_table(rid)
+        first, num_full = protected // bs, end // bs
+        region = list(range(first, num_full))
+        hot = self._hot(end)
+        candidates = [b for b in region if b not in hot]
+        budget = self._warm_budget(-(-keep // bs), region, hot)
+        if len(candidates) <= budget:
+            return None
+        host_ids = kv_manager.copy_to_host(rid, candidates)
+        if host_ids is None:
+            return None
+        votes = press_votes(kv_store, press, table, protected, end, keep,
+                            queries if press.needs_queries else None, self.scale)
+        ranked = sorted(candidates, key=lambda b: -float(votes[b]))        # stable: ties keep the earlier
+        state = TierState(list(range(len(table))), len(table), first, dict(zip(candidates, host_ids)))
+        self._summarize(state, kv_store, table, num_full)
+        if last_query:
+            # The ranking a decode step would run, on the last prompt token's query, over the press's
+            # choice: its recalls are free, nothing has left the GPU yet.
+            chosen = set(ranked[:budget])
+            bound = self._rank(state, candidates, chosen, last_query, budget)
+            recalled = [b for b in bound[:budget] if b not in chosen][:self.max_recalls]
+            dropped = [b for b in reversed(ranked[:budget]) if b not in bound[:budget]][:len(recalled)]
+            ranked = [b for b in ranked[:budget] if b not in dropped] + recalled + \
+                [b for b in ranked[budget:] if b not in recalled] + dropped
+        cold = sorted(ranked[budget:])
+        kv_manager.demote(rid, cold)
+        state.table_logicals = [b for b in state.table_logicals if b not in set(cold)]
+        request.num_pruned_tokens += len(cold) * bs
+        counts.tokens_demoted += len(cold) * bs
+        return state
+
+    # --- during decode ------------------------------------------------------------------------------
+    def due(self, state: TierState, samples_token: bool, kv_manager: "KVCacheManager", request_id: str
+            ) -> Optional[int]:
+        """Query rows to record in this step for the request (1: it is ranked after it; 0: only its
+        landed recalls are placed), or None when nothing is due."""
+        if samples_token:
+            state.steps += 1
+            if state.steps >= self.interval:
+                return 1
+        return 0 if kv_manager.has_recalls(request_id) else None
+
+    def step(self, request: "Request", state: TierState, kv_store: "KVCacheStore", kv_manager: "KVCacheManager",
+             keep: int, queries: Optional[list[torch.Tensor]], counts: TierCounts) -> None:
+        """After a decode step: places landed recalls, summarizes and copies blocks that filled,
+        and (with the step's query) ranks the blocks, demoting and recalling."""
+        bs = self.block_size
+        rid = request.request_id
+        table = kv_manager.block_table(rid)
+        while len(state.table_logicals) < len(table):          # blocks the scheduler appended
+            state.table_logicals.append(state.next_logical)
+            state.next_logical += 1
+        self._place_recalls(request, state, kv_manager, counts)
+        positions = request.num_computed_tokens
+        num_full = positions // bs
+        if num_full > state.num_summarized:
+            fresh = list(range(state.num_summarized, num_full))
+            at = {b: p for p, b in enumerate(state.table_logicals)}
+            host_ids = kv_manager.copy_to_host(rid, [at[b] for b in fresh])
+            if host_ids is not None:                           # else they stay resident
+                state.host_of.update(zip(fresh, host_ids))
+            self._summarize(state, kv_store, kv_manager.block_table(rid), num_full)
+        if not queries:
+            return
+        state.steps = 0
+        hot = self._hot(positions)
+        region = list(range(state.first_region, num_full))
+        candidates = [b for b in region if b not in hot and b in state.host_of]
+        budget = self._warm_budget(-(-keep // bs), region, hot) - sum(
+            1 for b in region if b not in hot and b not in state.host_of)
+        if not candidates:
+            return
+        recalling = {logical for logical, _ in state.recalls.values()}
+        resident = set(state.table_logicals) | recalling
+        order = self._rank(state, candidates, resident, [q[-1] for q in queries], max(budget, 0))
+        wanted = set(order[:max(budget, 0)])
+        vote_of = {b: -rank for rank, b in enumerate(order)}
+        promised = {victim for _, victim in state.recalls.values()}     # a recall in flight replaces them
+        surplus = sorted((b for b in candidates if b in state.table_logicals and b not in wanted and b not in promised),
+                         key=lambda b: vote_of[b])             # worst first
+        warm = sum(1 for b in candidates if b in resident) - len(promised & set(candidates))
+        to_recall = [b for b in order[:max(budget, 0)] if b not in resident][:self.max_recalls]
+        victims = surplus[:max(0, warm + len(to_recall) - max(budget, 0))]
+        paired, demote_now = victims[:len(to_recall)], victims[len(to_recall):]
+        for index_in_recalls, logical in enumerate(to_recall):
+            ticket = kv_manager.recall(rid, state.host_of[logical])
+            if ticket is None:
+                break                                          # no GPU block free: next ranking
+            victim = paired[index_in_recalls] if index_in_recalls < len(paired) else None
+            state.recalls[ticket] = (logical, victim)
+        if demote_now:
+            at = {b: p for p, b in enumerate(state.table_logicals)}
+            kv_manager.demote(rid, [at[b] for b in demote_now])
+            dropped = set(demote_now)
+            state.table_logicals = [b for b in state.table_logicals if b not in dropped]
+            request.num_pruned_tokens += len(demote_now) * bs
+            counts.tokens_demoted += len(demote_now) * bs
+
+    @staticmethod
+    def _rank(state: TierState, candidates: list[int], resident: set[int], query: list[torch.Tensor],
+              budget: int) -> list[int]:
+        """Candidates, best first: by how many (layer, query head) put the block's bound among their
+        `budget` highest; a resident block first among equals (so blocks do not flap)."""
+        index = torch.as_tensor(candidates, device=state.summaries.device)
+        bounds = block_bounds(query, state.summaries.index_select(0, index))
+        votes = block_votes(bounds, budget).cpu()
+        votes += RESIDENT_BONUS * torch.tensor([b in resident for b in candidates], dtype=torch.float32)
+        return [candidates[i] for i in torch.argsort(votes, descending=True, stable=True).tolist()]
+
+    def _place_recalls(self, request: "Request", state: TierState, kv_manager: "KVCacheManager",
+                       counts: TierCounts) -> None:
+        bs = self.block_size
+        rid = request.request_id
+        for ticket, block_id in kv_manager.take_recalls(rid):
+            logical, victim = state.recalls.pop(ticket)
+            if block_id is None:
+                continue                                       # the copy failed (counted): it stays cold
+            counts.tokens_recalled += bs
+            if victim is not None and victim in state.table_logicals:
+                position = state.table_logicals.index(victim)
+                kv_manager.replace_block(rid, position, block_id)
+                state.table_logicals[position] = logical
+                counts.tokens_demoted += bs
+                continue
+            # No block makes room for it (the budget grew): it goes before the block that takes the
+            # next token, or last if that block is full.
+            position = len(state.table_logicals) - (1 if request.num_kv_tokens % bs else 0)
+            kv_manager.insert_block(rid, position, block_id)
+            state.table_logicals.insert(position, logical)
+            request.num_pruned_tokens -= bs
+
+    def _summarize(self, state: TierState, kv_store: "KVCacheStore", table: list[int], num_full: int) -> None:
+        """Key summaries of logical blocks [num_summarized, num_full), all resident (just filled)."""
+        if num_full <= state.num_summarized:
+            return
+        at = {b: p for p, b in enumerate(state.table_logicals)}
+        fresh = range(state.num_summarized, num_full)
+        rows = block_key_summaries(kv_store, [table[at[b]] for b in fresh])
+        if state.summaries is None or state.summaries.shape[0] < num_full:
+            grown = torch.zeros((max(num_full, 2 * (state.summaries.shape[0] if state.summaries is not None else 0)),
+                                 *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+            if state.summaries is not None:
+                grown[:state.num_summarized] = state.summaries[:state.num_summarized]
+            state.summaries = grown
+        state.summaries[state.num_summarized:num_full] = rows
+        state.num_summarized = num_full

@@ -1,0 +1,60 @@
+"""Per-block key summaries and the attention bounds they give (Quest's page criticality).
+
+A block's summary is, per layer and KV head, the per-channel minimum and maximum of its keys. For a
+query q, sum_c max(q_c * min_c, q_c * max_c) is an upper bound of q . k over every key k of the
+block, so a block whose bound is low cannot hold a token the query attends to much. The tiering
+mode of the presses (engine/kv_tiering.py) keeps these summaries on the device for every full block
+of a tiered request, the ones demoted to the host tier included, and ranks blocks by them on the
+current decode query to decide which to bring back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kvstore import KVCacheStore
+from kvserve.worker.press_apply import read_slots
+
+
+def block_key_summaries(kv_store: KVCacheStore, block_ids: list[int]) -> torch.Tensor:
+    """[n, layers, kv_heads, 2, head_dim] (min, max) of the keys of the given device blocks, in the
+    model's dtype (dequantized for a quantized format)."""
+    bs = kv_store.block_size
+    blocks = torch.as_tensor(block_ids, dtype=torch.long)
+    slots = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1).to(kv_store.device)
+    out = []
+    for key_part, _value_part in kv_store:
+        keys = read_slots(key_part, slots).view(len(block_ids), bs, *key_part.shape[2:])  # [n, bs, H, D]
+        out.append(torch.stack((keys.amin(dim=1), keys.amax(dim=1)), dim=2))               # [n, H, 2, D]
+    return torch.stack(out, dim=1).to(kv_store.spec.model_dtype)
+
+
+def block_bounds(queries: list[torch.Tensor], summaries: torch.Tensor) -> torch.Tensor:
+    """[layers, heads, n]: per layer and query head, the upper bound of q . k over each block's keys.
+
+    queries: per layer [heads, head_dim] (one decode query, RoPE applied); summaries as
+    `block_key_summaries` gives them. Query heads share their KV head's summary (GQA)."""
+    n, num_layers, kv_heads = summaries.shape[:3]
+    out = []
+    for layer in range(num_layers):
+        q = queries[layer].float()
+        group = q.shape[0] // kv_heads
+        q = q.view(kv_heads, group, 1, -1)                                      # [H, G, 1, D]
+        s = summaries[:, layer].float().permute(1, 2, 0, 3)                      # [H, 2, n, D]
+        low, high = s[:, 0][:, None], s[:, 1][:, None]                           # [H, 1, n, D]
+        out.append(torch.maximum(q * low, q * high).sum(dim=-1).reshape(kv_heads * group, n))
+    return torch.stack(out)
+
+
+def block_votes(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[n] float: for how many (layer, head) rows of `scores` [layers, heads, n] each block is among
+    the row's `count` highest (ties go to the earlier block)."""
+    n = scores.shape[-1]
+    count = max(0, min(count, n))
+    votes = torch.zeros(n, dtype=torch.float32, device=scores.device)
+    if count == 0:
+        return votes
+    flat = scores.reshape(-1, n)
+    top = torch.argsort(flat, dim=-1, descending=True, stable=True)[:, :count]
+    votes.index_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float32, device=scores.device))
+    return votes
