@@ -8,15 +8,19 @@ rest, in host blocks the request holds (engine's host tier), with a summary of t
 layer, KV head and channel: min and max, worker/key_summaries.py) kept on the device.
 
 At the prompt's end the press scores the tokens as it would to prune them; a block's vote is how
-many of its tokens the press would keep (over layers and heads), and the best-voted blocks stay
-warm. Every full block is copied to the host once (a full block never changes), so demoting is
-freeing a GPU block. Every `kv_tier_interval` decode steps the step's own query is recorded and
-every full non-hot block, warm or cold, is ranked by Quest's bound on its attention logits (per
-layer and query head, the blocks among the top `budget` bounds get a vote; a resident block wins a
-tie, so blocks do not flap). Up to `kv_tier_recall_blocks` cold blocks that rank among the best are
-recalled: copied into fresh GPU blocks on the transfer stream while the request keeps decoding
-over what it has; once a copy has landed the block takes the place of the worst-ranked warm block
-(which is freed; its host copy stays). Attention reads only the table, whose order does not
+many of its tokens the press would keep (over layers and heads). Every full block is copied to the
+host once (a full block never changes), so demoting is freeing a GPU block. Blocks are ranked on a
+query by Quest's bound on their attention logits: per layer and query head the blocks are ordered
+by bound, and a block's rank is its best in any of those orders (each head's favourite blocks come
+first: a retrieval head's needle is one head's top block, not many heads' middling one), then how
+many orders put it within the budget, then whether it is resident (so blocks do not flap). At the
+prompt's end the ranking runs on the last prompt token's query with the press's choice as the
+resident set; since nothing has left the GPU yet, the warm set is simply the best-ranked blocks.
+Then every `kv_tier_interval` decode steps the step's own query is recorded and ranked on, and up
+to `kv_tier_recall_blocks` cold blocks that rank within the budget are recalled: copied into fresh
+GPU blocks on the transfer stream while the request keeps decoding over what it has; once a copy
+has landed the block takes the place of the worst-ranked warm block (which is freed; its host
+copy stays). Attention reads only the table, whose order does not
 matter (RoPE is in the keys): the table's blocks are the resident ones, the request's KV length
 their tokens, and its positions stay the original ones (Request.num_pruned_tokens counts the
 cold tokens).
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from kvserve.worker.key_summaries import block_bounds, block_key_summaries, block_votes
+from kvserve.worker.key_summaries import block_best_ranks, block_bounds, block_key_summaries, block_votes
 from kvserve.worker.press_apply import press_votes
 
 if TYPE_CHECKING:
@@ -100,17 +104,14 @@ class Tiering:
         state = TierState(list(range(len(table))), len(table), first, dict(zip(candidates, host_ids)))
         self._summarize(state, kv_store, table, num_full)
         if last_query:
-            # The ranking a decode step would run, on the last prompt token's query, over the press's
-            # choice: its recalls are free, nothing has left the GPU yet.
-            chosen = set(ranked[:budget])
-            bound = self._rank(state, candidates, chosen, last_query, budget)
-            recalled = [b for b in bound[:budget] if b not in chosen][:self.max_recalls]
-            dropped = [b for b in reversed(ranked[:budget]) if b not in bound[:budget]][:len(recalled)]
-            ranked = [b for b in ranked[:budget] if b not in dropped] + recalled + \
-                [b for b in ranked[budget:] if b not in recalled] + dropped
+            # The ranking a decode step would run, on the last prompt token's query, with the press's
+            # choice as the resident set: nothing has left the GPU yet, so every recall is free
+            # and none is capped. The press's choice decides among equals.
+            ranked = self._rank(state, candidates, set(ranked[:budget]), last_query, budget)
         cold = sorted(ranked[budget:])
         kv_manager.demote(rid, cold)
-        state.table_logicals = [b for b in state.table_logicals if b not in set(cold)]
+        cold_set = set(cold)
+        state.table_logicals = [b for b in state.table_logicals if b not in cold_set]
         request.num_pruned_tokens += len(cold) * bs
         counts.tokens_demoted += len(cold) * bs
         return state
@@ -150,23 +151,23 @@ class Tiering:
             return
         state.steps = 0
         hot = self._hot(positions)
-        region = list(range(state.first_region, num_full))
+        region = range(state.first_region, num_full)
         candidates = [b for b in region if b not in hot and b in state.host_of]
-        budget = self._warm_budget(-(-keep // bs), region, hot) - sum(
-            1 for b in region if b not in hot and b not in state.host_of)
+        # Full blocks without a host copy (the host tier had no room) stay, and count against it.
+        stuck = sum(1 for b in region if b not in hot and b not in state.host_of)
+        budget = max(0, self._warm_budget(-(-keep // bs), list(region), hot) - stuck)
         if not candidates:
             return
-        recalling = {logical for logical, _ in state.recalls.values()}
-        resident = set(state.table_logicals) | recalling
-        order = self._rank(state, candidates, resident, [q[-1] for q in queries], max(budget, 0))
-        wanted = set(order[:max(budget, 0)])
-        vote_of = {b: -rank for rank, b in enumerate(order)}
+        in_table = set(state.table_logicals)
+        resident = in_table | {logical for logical, _ in state.recalls.values()}
+        order = self._rank(state, candidates, resident, [q[-1] for q in queries], budget)
+        wanted = set(order[:budget])
         promised = {victim for _, victim in state.recalls.values()}     # a recall in flight replaces them
-        surplus = sorted((b for b in candidates if b in state.table_logicals and b not in wanted and b not in promised),
-                         key=lambda b: vote_of[b])             # worst first
-        warm = sum(1 for b in candidates if b in resident) - len(promised & set(candidates))
-        to_recall = [b for b in order[:max(budget, 0)] if b not in resident][:self.max_recalls]
-        victims = surplus[:max(0, warm + len(to_recall) - max(budget, 0))]
+        # Resident blocks the ranking does not want, worst first.
+        surplus = [b for b in reversed(order) if b in in_table and b not in wanted and b not in promised]
+        warm = sum(1 for b in candidates if b in resident and b not in promised)
+        to_recall = [b for b in order[:budget] if b not in resident][:self.max_recalls]
+        victims = surplus[:max(0, warm + len(to_recall) - budget)]
         paired, demote_now = victims[:len(to_recall)], victims[len(to_recall):]
         for index_in_recalls, logical in enumerate(to_recall):
             ticket = kv_manager.recall(rid, state.host_of[logical])
@@ -185,13 +186,18 @@ class Tiering:
     @staticmethod
     def _rank(state: TierState, candidates: list[int], resident: set[int], query: list[torch.Tensor],
               budget: int) -> list[int]:
-        """Candidates, best first: by how many (layer, query head) put the block's bound among their
-        `budget` highest; a resident block first among equals (so blocks do not flap)."""
+        """Candidates, best first: by the block's best rank among the bounds of any (layer, query
+        head), so each head's favourite blocks come first (a retrieval head's needle is one head's
+        top block, not many heads' middling one); then by how many rows put it among their `budget`
+        highest; a resident block first among equals (so blocks do not flap)."""
         index = torch.as_tensor(candidates, device=state.summaries.device)
         bounds = block_bounds(query, state.summaries.index_select(0, index))
+        best = block_best_ranks(bounds).cpu()
         votes = block_votes(bounds, budget).cpu()
         votes += RESIDENT_BONUS * torch.tensor([b in resident for b in candidates], dtype=torch.float32)
-        return [candidates[i] for i in torch.argsort(votes, descending=True, stable=True).tolist()]
+        # Sort by best rank, then by votes: lexicographic through one float key (votes < n_rows + 1).
+        key = best.double() * (bounds.shape[0] * bounds.shape[1] + 1) - votes.double()
+        return [candidates[i] for i in torch.argsort(key, stable=True).tolist()]
 
     def _place_recalls(self, request: "Request", state: TierState, kv_manager: "KVCacheManager",
                        counts: TierCounts) -> None:

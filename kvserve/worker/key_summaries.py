@@ -58,3 +58,14 @@ def block_votes(scores: torch.Tensor, count: int) -> torch.Tensor:
     top = torch.argsort(flat, dim=-1, descending=True, stable=True)[:, :count]
     votes.index_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float32, device=scores.device))
     return votes
+
+
+def block_best_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """[n] int64: each block's best rank over the (layer, head) rows of `scores` [layers, heads, n]
+    (0: the highest of some row; ties go to the earlier block)."""
+    n = scores.shape[-1]
+    flat = scores.reshape(-1, n)
+    order = torch.argsort(flat, dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(n, device=scores.device).expand_as(order))
+    return ranks.min(dim=0).values
