@@ -188,3 +188,4 @@ class EngineStats:
     prefix_cache: Optional[PrefixCacheStats] = None   # None: an engine without a prefix-cache control
     expert_load: Optional[ExpertLoadStats] = None     # None: a model without MoE layers
     presses: tuple[PressStats, ...] = ()              # one per press that has run
+    decode_kv_bytes_total: int = 0                    # KV bytes decode attention read (engine.EngineCounters)

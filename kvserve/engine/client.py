@@ -38,6 +38,7 @@ class EngineSnapshot:
     capacity_tokens: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    decode_kv_bytes_total: int = 0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
     num_step_errors_total: int = 0
@@ -90,7 +91,7 @@ class EngineSnapshot:
                    prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
                    kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
                    kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
-                   presses=stats.presses, **latency)
+                   presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total, **latency)
 
 
 @dataclass

@@ -54,6 +54,9 @@ class EngineCounters:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     requests_finished_total: dict[str, int] = field(default_factory=dict)
+    # KV bytes the decode attention read: each decoding request's KV length (pressed or tiered
+    # KV is shorter) times the bytes a token takes in its format, summed over steps.
+    decode_kv_bytes_total: int = 0
 
 
 @dataclass
@@ -456,6 +459,8 @@ class Engine:
             return outputs + self._run_step(sched_out, press_due)
         finally:
             if sched_out is not None and sched_out.scheduled:
+                self.stats.decode_kv_bytes_total += self.kv_bytes_per_token * sum(
+                    item.request.num_kv_tokens for item in sched_out.scheduled if item.num_new_tokens == 1)
                 elapsed = time.monotonic() - started
                 if self.scheduler.slo is not None:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
@@ -662,7 +667,7 @@ class Engine:
         return EngineStats(self.scheduler.make_stats(), kv_stats, counters.prompt_tokens_total,
                            counters.generation_tokens_total, dict(counters.requests_finished_total),
                            prefix_cache=prefix_stats, expert_load=self._expert_load_stats(),
-                           presses=self.press.make_stats())
+                           presses=self.press.make_stats(), decode_kv_bytes_total=counters.decode_kv_bytes_total)
 
     # The expert load make_stats last read, and when (monotonic seconds): see _expert_load_stats.
     _expert_load_read: Optional[ExpertLoadStats] = None

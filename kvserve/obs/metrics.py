@@ -49,6 +49,7 @@ METRIC_NAMES = (
     f"{NAMESPACE}:kv_cache_capacity_tokens",
     f"{NAMESPACE}:prompt_tokens_total",
     f"{NAMESPACE}:generation_tokens_total",
+    f"{NAMESPACE}:decode_kv_bytes_total",
     f"{NAMESPACE}:num_preemptions_total",
     f"{NAMESPACE}:engine_steps_total",
     f"{NAMESPACE}:engine_step_errors_total",
@@ -273,6 +274,9 @@ class _EngineStateCollector:
             yield from _press_metrics(snap, labels, values)
         yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
+        yield counter("decode_kv_bytes", "KV bytes decode attention read: each decoding request's KV length (shorter "
+                      "once pressed or tiered) times its format's bytes per token, summed over steps; over "
+                      "engine_steps_total, the KV bytes per step.", snap.decode_kv_bytes_total)
         yield counter("num_preemptions", "Requests preempted (KV freed, recomputed later).",
                       snap.num_preemptions_total)
         yield counter("engine_steps", "Engine steps run.", snap.num_steps_total)

@@ -201,3 +201,19 @@ def test_the_server_default_mode_applies(checkpoint):
         llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
         stats = {p.press: p for p in llm.engine.make_stats().presses}["snapkv"]
         assert stats.applied == 1 and stats.tokens_demoted > 0 and stats.tokens_pruned == 0
+
+
+def test_decode_reads_the_resident_kv_only(checkpoint):
+    """The engine's count of KV bytes decode attention read: every step's whole context without a
+    press; the resident blocks' tokens in tier mode."""
+    folder, _ = checkpoint
+    plain_engine, tier_engine = _engine(folder), _engine(folder, kv_tier_interval=2)
+    plain_engine.add_request("p", {"prompt_token_ids": PROMPT},
+                             SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    _run_recording(tier_engine, PROMPT, _tiered())
+    while plain_engine.has_unfinished_requests():
+        plain_engine.step()
+    per_token = plain_engine.kv_bytes_per_token
+    plain = plain_engine.make_stats().decode_kv_bytes_total
+    assert plain == per_token * sum(len(PROMPT) + step for step in range(1, MAX_NEW))
+    assert tier_engine.make_stats().decode_kv_bytes_total < 0.4 * plain

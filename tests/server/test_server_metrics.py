@@ -38,8 +38,8 @@ LOAD = ExpertLoadStats(layers=(1, 2), tokens_per_expert=((3, 1, 0, 0), (1, 1, 1,
 
 
 def test_metrics_render_the_snapshots_stats_dataclasses():
-    snapshot = EngineSnapshot.from_stats(_stats(prefix_cache=PREFIX, expert_load=LOAD), num_steps=9,
-                                         num_step_errors=1, rejected_by_gate=0)
+    snapshot = EngineSnapshot.from_stats(_stats(prefix_cache=PREFIX, expert_load=LOAD, decode_kv_bytes_total=4096),
+                                         num_steps=9, num_step_errors=1, rejected_by_gate=0)
     assert snapshot.prefix_cache is PREFIX and snapshot.expert_load is LOAD
     text = ServerMetrics(lambda: snapshot, "m").render().decode()
     for name in METRIC_NAMES + MOE_METRIC_NAMES:
@@ -47,6 +47,7 @@ def test_metrics_render_the_snapshots_stats_dataclasses():
     samples = _samples(text)
     assert samples['kvserve:num_requests_running{model_name="m"}'] == 2
     assert samples['kvserve:kv_cache_blocks_used{model_name="m"}'] == 40
+    assert samples['kvserve:decode_kv_bytes_total{model_name="m"}'] == 4096
     assert samples['kvserve:prefix_cache_queries_total{model_name="m"}'] == 200
     assert samples['kvserve:prefix_cache_hits_total{model_name="m"}'] == 50
     assert samples['kvserve:prefix_cache_hit_rate{model_name="m"}'] == 0.25
@@ -204,7 +205,8 @@ def test_cold_tier_metrics_come_from_the_kv_cache_stats():
 def test_press_metrics_come_from_the_press_stats():
     from kvserve.obs.metrics import PRESS_METRIC_NAMES
     from kvserve.stats import PressStats
-    stats = _stats(presses=(PressStats("snapkv", applied=3, skipped=1, tokens_pruned=900, blocks_freed=55),))
+    stats = _stats(presses=(PressStats("snapkv", applied=3, skipped=1, tokens_pruned=900, blocks_freed=55,
+                                       tokens_demoted=320, tokens_recalled=48),))
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
     text = ServerMetrics(lambda: snapshot, "m").render().decode()
     samples = _samples(text)
@@ -213,5 +215,7 @@ def test_press_metrics_come_from_the_press_stats():
     assert samples['kvserve:kv_press_requests_total{model_name="m",outcome="skipped",press="snapkv"}'] == 1
     assert samples['kvserve:kv_press_tokens_pruned_total{model_name="m",press="snapkv"}'] == 900
     assert samples['kvserve:kv_press_blocks_freed_total{model_name="m",press="snapkv"}'] == 55
+    assert samples['kvserve:kv_press_tokens_demoted_total{model_name="m",press="snapkv"}'] == 320
+    assert samples['kvserve:kv_press_tokens_recalled_total{model_name="m",press="snapkv"}'] == 48
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
     assert not any(name in ServerMetrics(lambda: without, "m").render().decode() for name in PRESS_METRIC_NAMES)
