@@ -284,6 +284,12 @@ class SchedulerConfig:
                                              "on resume), swap (copied to the host KV tier and loaded back on resume; "
                                              "needs --kv-host-memory) or auto (swap when the measured copy time is "
                                              "below the measured recompute time)", choices=("recompute", "swap", "auto"))
+    scheduling_policy: str = _opt("fcfs", "order of the requests: fcfs (arrival) or priority (a request's priority "
+                                          "field, lower first, then arrival; a waiting request that outranks a "
+                                          "running one and does not fit preempts it)", choices=("fcfs", "priority"))
+    scheduling_priority_aging: float = _opt(10.0, "priority policy: seconds in the engine that raise a request "
+                                                  "one priority level, so a low-priority one is not overtaken or "
+                                                  "preempted forever (0 = never)", **bounds(ge=0, unit="seconds"))
     async_scheduling: str = _opt("auto", "queue each step before the previous step's tokens reach the host, so "
                                          "scheduling and output handling overlap the GPU's work (steps that need "
                                          "penalties or logprobs run synchronously); auto: on for CUDA",

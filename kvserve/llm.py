@@ -33,7 +33,8 @@ class LLM:
 
     def generate(self, prompts: Union[PromptInput, Sequence[PromptInput]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """priority (one per prompt, as in vLLM): with --scheduling-policy priority, lower first."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -41,7 +42,10 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompt_list)} prompts")
-        return self._run(prompt_list, params_list, use_tqdm)
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, use_tqdm, priorities)
 
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
              sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
@@ -64,13 +68,16 @@ class LLM:
         return self.chat_template.encode(conversation, add_generation_prompt, continue_final_message, tools,
                                          chat_template_kwargs)
 
-    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool,
+             priorities: Optional[list[int]] = None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
+        priorities = priorities or [0] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, priority in zip(prompts, params, priorities):
                 # Only finished outputs are returned: skip the per-step snapshots streaming needs.
-                ids.append(engine.add_request(None, prompt, dataclasses.replace(p, output_kind="final_only")))
+                ids.append(engine.add_request(None, prompt, dataclasses.replace(p, output_kind="final_only"),
+                                              priority=priority))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)

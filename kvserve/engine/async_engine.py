@@ -289,7 +289,8 @@ class AsyncEngine:
                 done.set_exception(EngineShutdownError("the engine is shutting down"))
                 return
             try:
-                self.engine.add_request(record.request_id, prompt, params, arrival_time=record.arrival_time)
+                self.engine.add_request(record.request_id, prompt, params, arrival_time=record.arrival_time,
+                                        priority=record.priority)
             except Exception as exc:
                 done.set_exception(exc)
                 return

@@ -224,7 +224,7 @@ class CoreClient:
         try:
             payload = self._encode(msg.AddRequest(request_id, ids, params, arrival_time, prompt.get("tenant"),
                                                   prompt.get("cache_salt"), prompt.get("pin_ttl"),
-                                                  prompt.get("pin_prefix_tokens")))
+                                                  prompt.get("pin_prefix_tokens"), priority))
         except OverflowError:
             raise RequestRejected("an integer in the request is out of range (64 bits)") from None
         stream = stream or self.open_stream()

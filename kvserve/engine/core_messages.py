@@ -34,6 +34,7 @@ class AddRequest(msgspec.Struct, tag=True):
     cache_salt: Optional[str] = None
     pin_ttl: Optional[float] = None
     pin_prefix_tokens: Optional[int] = None
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -197,7 +197,8 @@ class EngineCore:
             if value is not None:
                 prompt[key] = value
         try:
-            self.engine.add_request(add.request_id, prompt, add.params, arrival_time=add.arrival_time)
+            self.engine.add_request(add.request_id, prompt, add.params, arrival_time=add.arrival_time,
+                                    priority=add.priority)
         except RequestOverloaded as exc:
             self._send(frontend, msg.AddResult(add.request_id, "overloaded", str(exc)))
             return

@@ -299,13 +299,17 @@ class Engine:
     def add_request(self, request_id: Optional[str], prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, tenant: Optional[str] = None,
                     cache_salt: Optional[str] = None, pin_ttl: Optional[float] = None,
-                    pin_prefix_tokens: Optional[int] = None, arrival_time: Optional[float] = None) -> str:
+                    pin_prefix_tokens: Optional[int] = None, arrival_time: Optional[float] = None,
+                    priority: int = 0) -> str:
         """Queues a request (n samples); raises RequestRejected if it can never run, RequestOverloaded
         if latency targets shed it. tenant / cache_salt choose the prefix-cache namespace; pin_ttl pins
         the prompt's first pin_prefix_tokens (default all) for that many seconds (see CacheOptions).
         arrival_time (time.monotonic()) is when a server received it, if earlier than now: TTFT
-        targets and metrics count from there."""
+        targets and metrics count from there. priority: with --scheduling-policy priority, lower
+        goes first (kvserve/sched/priority.py); ignored by fcfs."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestRejected(f"priority must be an integer, got {priority!r}")
         try:
             cache_opts = CacheOptions.resolve(prompt, tenant=tenant, cache_salt=cache_salt, pin_ttl=pin_ttl,
                                               pin_prefix_tokens=pin_prefix_tokens)
@@ -338,6 +342,7 @@ class Engine:
                             list(prompt_ids), child_params, max_tokens, tenant=cache_opts.tenant)
             if arrival_time is not None:
                 child.arrival_time = arrival_time
+            child.priority = priority
             child.set_cache_namespace(namespace)
             child.press = self.press.plan_for(child_params)
             if child.press is not None:
@@ -567,7 +572,7 @@ class Engine:
         sched = self.config.scheduler_config
         block_size = self.config.cache_config.block_size
         needed = len(self.scheduler.running) + sched.max_num_batched_tokens // block_size + 1
-        return self.kv_manager.num_free_blocks < needed
+        return self.kv_manager.num_free_blocks < needed or self.scheduler.wants_priority_preemption()
 
     def _finish_inflight(self) -> list[RequestOutput]:
         inflight, self._inflight = self._inflight, None

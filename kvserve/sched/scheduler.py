@@ -22,6 +22,11 @@ Latency targets (`slo_ttft`, `slo_tpot`, `slo_shed`; kvserve/sched/slo.py): a st
 capped so that it ends in time, the number of running requests is limited so the step time stays
 under the TPOT target, and with shedding a request that cannot get its first token in time is
 rejected at arrival (predicted by simulating the steps ahead) or in the queue.
+
+Priority (`scheduling_policy` priority; kvserve/sched/priority.py): running and waiting requests
+are ordered by effective priority (lower first, aged by time in the engine), then arrival, so
+preemption under KV pressure takes the worst first; and a waiting request that outranks the worst
+running one but cannot be admitted (no slot or no blocks) preempts it before the step is built.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Optional
 from kvserve.config import SchedulerConfig
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.preemption_cost import PreemptionCost
+from kvserve.sched.priority import priority_key
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
@@ -182,10 +188,52 @@ class Scheduler:
         self.waiting.append(request)
 
     # --- one step ---------------------------------------------------------------------------
+    @property
+    def _by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
+    def _priority_key(self):
+        return priority_key(time.monotonic(), self.config.scheduling_priority_aging)
+
+    def wants_priority_preemption(self) -> bool:
+        """Whether the next schedule() may preempt for priority (the engine then reads back a
+        pending token first: a preempted request recomputes from its token list)."""
+        if not (self._by_priority and self.waiting and self.running):
+            return False
+        key = self._priority_key()
+        return key(min(self.waiting, key=key)) < key(max(self.running, key=key))
+
+    def _preempt_for_priority(self, out: SchedulerOutput, key, budget: int) -> None:
+        """While the best waiting request outranks the worst running one and cannot be admitted as
+        things stand (no slot, or too few free blocks for its first chunk), that running request is
+        preempted (swapped or recomputed, as configured)."""
+        best = min(self.waiting, key=key)
+        while self.running and key(self.running[-1]) > key(best):
+            if len(self.running) + len(self.loading) < self._admission_limit and self._fits(best, budget):
+                return
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _fits(self, request: Request, budget: int) -> bool:
+        hit = self._lookup(request)
+        num_cached = request.num_computed_tokens if self.kv_manager.is_swapped(request.request_id) else (
+            hit.num_tokens if hit is not None else 0)
+        num_new = min(request.tokens_to_compute(num_cached), budget)
+        needed = self.kv_manager.num_new_blocks_needed(
+            request.request_id, num_cached - request.num_pruned_tokens + num_new, hit)
+        return needed + self._admission_watermark_blocks <= self.kv_manager.num_free_blocks
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.step_token_budget()
         chunked = self.config.enable_chunked_prefill
+        if self._by_priority:
+            key = self._priority_key()
+            self.running.sort(key=key)           # the back is preempted first
+            if self.waiting and self.running:
+                self._preempt_for_priority(out, key, budget)
+        preempted_for_priority = len(out.preempted)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -214,9 +262,10 @@ class Scheduler:
 
         if self.slo is not None and self.slo.targets.shed:
             self._shed_late(out)
-        # New work only when nothing was preempted this step: otherwise it would take the blocks
-        # the preempted requests need to come back.
-        if not out.preempted:
+        # New work only when nothing was preempted for blocks this step: otherwise it would take
+        # the blocks the preempted requests need to come back. (Preempted for priority, they make
+        # room for the request that outranks them.)
+        if len(out.preempted) == preempted_for_priority:
             self._admit_waiting(out, budget)
         out.block_copies = self.kv_manager.take_block_copies()
         return out
@@ -272,6 +321,8 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         """FIFO, or (cache-aware) longest cached prefix first among the first requests, with
         preempted and starving requests ahead in FIFO order."""
+        if self._by_priority:
+            return sorted(self.waiting, key=self._priority_key())[:self.config.max_num_seqs]
         if not self._cache_aware:
             return list(itertools.islice(self.waiting, self.config.max_num_seqs))
         window = list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
@@ -289,7 +340,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
         caching = self.kv_manager.enable_prefix_caching
-        fifo = list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW)) if self._cache_aware else []
+        fifo = (list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
+                if self._cache_aware and not self._by_priority else [])
         candidates = self._waiting_order()
         admitted: set[str] = set()
         for request in candidates:

@@ -115,7 +115,8 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = Field(0, description="scheduling priority (extension; recorded, used by later issues)")
+    priority: int = Field(0, description="scheduling priority (vLLM extension): with --scheduling-policy priority, "
+                                         "lower goes first and may preempt a running request that ranks below")
     tenant: Optional[str] = Field(None, max_length=256, description=_TENANT_HELP)
     cache_salt: Optional[str] = Field(None, description="prefix-cache salt (extension): cached prefixes are shared "
                                                         "only between requests with the same salt", max_length=256)

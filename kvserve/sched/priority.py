@@ -1,0 +1,32 @@
+"""Priority scheduling (`--scheduling-policy priority`, vLLM's semantics: a lower value goes first).
+
+A request's effective priority is its `priority` less one level per `aging_s` seconds since it
+arrived, so a low-priority request moves up the longer it has been in the engine: it is not
+overtaken, nor preempted by newcomers, forever. Ties go to the earlier arrival. The scheduler
+keeps its running list in this order (the back is preempted first) and admits waiting requests in
+it; a waiting request that outranks the worst running one and does not fit preempts it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+
+class Prioritized(Protocol):
+    priority: int
+    arrival_time: float
+
+
+def effective_priority(request: Prioritized, now: float, aging_s: float) -> float:
+    if aging_s <= 0:
+        return float(request.priority)
+    return request.priority - max(0.0, now - request.arrival_time) / aging_s
+
+
+def priority_key(now: float, aging_s: float):
+    """Sort key: effective priority, then arrival (earlier first)."""
+    return lambda request: (effective_priority(request, now, aging_s), request.arrival_time)
+
+
+def by_priority(requests: Iterable[Prioritized], now: float, aging_s: float) -> list:
+    return sorted(requests, key=priority_key(now, aging_s))
