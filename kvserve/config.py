@@ -284,9 +284,14 @@ class SchedulerConfig:
                                              "on resume), swap (copied to the host KV tier and loaded back on resume; "
                                              "needs --kv-host-memory) or auto (swap when the measured copy time is "
                                              "below the measured recompute time)", choices=("recompute", "swap", "auto"))
-    scheduling_policy: str = _opt("fcfs", "order of the requests: fcfs (arrival) or priority (a request's priority "
+    scheduling_policy: str = _opt("fcfs", "order of the requests: fcfs (arrival), priority (a request's priority "
                                           "field, lower first, then arrival; a waiting request that outranks a "
-                                          "running one and does not fit preempts it)", choices=("fcfs", "priority"))
+                                          "running one and does not fit preempts it) or fair (tenants by virtual "
+                                          "token counters, weighted by --qos-config: each gets its share of the "
+                                          "service while it has requests waiting)",
+                                  choices=("fcfs", "priority", "fair"))
+    qos_config: Optional[str] = _opt(None, "YAML or JSON file of QoS settings: tenants' weights for the fair "
+                                           "policy (docs/qos.md)")
     scheduling_priority_aging: float = _opt(10.0, "priority policy: seconds in the engine that raise a request "
                                                   "one priority level, so a low-priority one is not overtaken or "
                                                   "preempted forever (0 = never)", **bounds(ge=0, unit="seconds"))

@@ -161,6 +161,8 @@ class SchedulerStats:
     num_preemptions_total: int
     latency: Optional[LatencyTargetStats] = None      # None without latency targets
     num_loading: int = 0         # admitted, waiting for their KV to arrive from a tier
+    # GPU KV blocks held by each tenant's running and loading requests (None: requests without one).
+    kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

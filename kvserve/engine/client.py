@@ -63,6 +63,7 @@ class EngineSnapshot:
     kv_cold_writes_dropped: int = 0                   # blocks not sent down: the write queue was full
     kv_cold_prefetches: dict[str, int] = field(default_factory=dict)   # outcome -> prefetches on arrival
     presses: tuple[PressStats, ...] = ()              # KV presses that have run (docs/kv_compression.md)
+    kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)   # running + loading requests'
 
     @property
     def num_used_blocks(self) -> int:
@@ -91,7 +92,8 @@ class EngineSnapshot:
                    prefix_cache=stats.prefix_cache, expert_load=stats.expert_load, kv_host=kv.host,
                    kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
                    kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
-                   presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total, **latency)
+                   presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total,
+                   kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), **latency)
 
 
 @dataclass

@@ -68,6 +68,7 @@ class RequestState:
                         for _ in range(params.n)]
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
         self.times: tuple = (arrival_time, None, None, None, 0)
+        self.num_cached_tokens: Optional[int] = None
         self.last_output: Optional[RequestOutput] = None
 
     @property
@@ -77,6 +78,8 @@ class RequestState:
     def apply(self, delta: msg.RequestDelta) -> list[tuple[int, str]]:
         """Takes the new tokens; returns the (sample, stop string) pairs the text stopped at."""
         self.times = delta.times
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         stops = []
@@ -117,7 +120,7 @@ class RequestState:
         metrics = RequestMetrics(arrival, scheduled, first_token, finished_time, preemptions)
         prompt_logprobs = self.prompt_logprobs if self.params.prompt_logprobs is not None else None
         self.last_output = RequestOutput(self.request_id, None, self.prompt_token_ids, prompt_logprobs, completions,
-                                         self.finished, metrics)
+                                         self.finished, metrics, self.num_cached_tokens)
         return self.last_output
 
 

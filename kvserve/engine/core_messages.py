@@ -85,6 +85,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # "shutting_down" (the drain timeout ran out); `error` says so in words.
     error_kind: Optional[str] = None
     error: str = ""
+    num_cached_tokens: Optional[int] = None     # RequestOutput.num_cached_tokens, once admitted
 
 
 class Step(msgspec.Struct, tag=True):

@@ -289,7 +289,8 @@ class EngineCore:
         m = output.metrics
         times = ((m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions)
                  if m is not None else (0.0, None, None, None, 0))
-        return msg.RequestDelta(output.request_id, samples, output.finished, times, prompt_logprobs)
+        return msg.RequestDelta(output.request_id, samples, output.finished, times, prompt_logprobs,
+                                num_cached_tokens=output.num_cached_tokens)
 
     # --- utilities (pins) -----------------------------------------------------------------------
     def _utility(self, frontend: _FrontEnd, call: msg.Utility) -> None:

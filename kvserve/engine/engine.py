@@ -643,7 +643,8 @@ class Engine:
                                  max((c.finished_time or 0.0) for c in group.children) or None,
                                  sum(c.num_preemptions for c in group.children))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs,
-                             completions, all(c.is_finished for c in group.children), metrics)
+                             completions, all(c.is_finished for c in group.children), metrics,
+                             first.num_cached_tokens)
 
     # --- prefix cache -----------------------------------------------------------------------------
     def pin_prefix(self, prompt: PromptInput, ttl_s: float, *, tenant: Optional[str] = None,

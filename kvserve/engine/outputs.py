@@ -38,3 +38,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
+    # Prompt tokens whose KV came from the prefix cache or a KV tier (vLLM's name; the first
+    # sample's, which the others share): OpenAI's usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: Optional[int] = None

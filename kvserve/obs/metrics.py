@@ -199,16 +199,56 @@ def _press_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -
     yield from (requests, tokens, blocks, demoted, recalled)
 
 
+# Per-tenant series: tenants come from API keys (a bounded set), but with --trust-request-tenant a
+# gateway names them; past this many distinct tenants the rest share the label "other".
+MAX_TENANT_LABELS = 64
+NO_TENANT = "none"
+TENANT_METRIC_NAMES = (
+    f"{NAMESPACE}:tenant_requests_total",
+    f"{NAMESPACE}:tenant_prompt_tokens_total",
+    f"{NAMESPACE}:tenant_generation_tokens_total",
+    f"{NAMESPACE}:tenant_time_to_first_token_seconds",
+)
+
+
+class TenantLabels:
+    """The label a tenant's series carry: its name, "none" without one, "other" past the cap."""
+
+    def __init__(self, limit: int = MAX_TENANT_LABELS) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, tenant: Optional[str]) -> str:
+        name = NO_TENANT if tenant is None else tenant
+        if name in self._seen:
+            return name
+        if len(self._seen) >= self.limit:
+            return "other"
+        self._seen.add(name)
+        return name
+
+
 class _EngineStateCollector:
     """Turns the latest engine snapshot into gauges and counters at scrape time."""
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
         self._snapshot = snapshot
         self._model_name = model_name
+        self._tenant_label = TenantLabels()
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
         labels, values = ["model_name"], [self._model_name]
+        if snap.kv_blocks_by_tenant:
+            family = GaugeMetricFamily(f"{NAMESPACE}:tenant_kv_blocks", "GPU KV blocks held by each tenant's "
+                                       "running and loading requests.", labels=labels + ["tenant"])
+            totals: dict[str, int] = {}
+            for tenant, blocks in snap.kv_blocks_by_tenant.items():
+                label = self._tenant_label(tenant)
+                totals[label] = totals.get(label, 0) + blocks
+            for label, blocks in sorted(totals.items()):
+                family.add_metric(values + [label], blocks)
+            yield family
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(f"{NAMESPACE}:{name}", doc, labels=labels)
@@ -430,6 +470,17 @@ class ServerMetrics:
                                     labels + ["status_code"], registry=request_registry)
         for reason in ("stop", "length", "abort", "rejected", "error"):
             self._success.labels(model_name, reason)
+        self._tenant_label = TenantLabels()
+        tenant_labels = labels + ["tenant"]
+        self._tenant_requests = Counter(f"{NAMESPACE}:tenant_requests", "Requests that left the engine, by tenant "
+                                        "and reason.", tenant_labels + ["finished_reason"], registry=request_registry)
+        self._tenant_prompt = Counter(f"{NAMESPACE}:tenant_prompt_tokens", "Prompt tokens of finished requests, by "
+                                      "tenant.", tenant_labels, registry=request_registry)
+        self._tenant_generation = Counter(f"{NAMESPACE}:tenant_generation_tokens", "Tokens generated for "
+                                          "finished requests, by tenant.", tenant_labels, registry=request_registry)
+        self._tenant_ttft = Histogram(f"{NAMESPACE}:tenant_time_to_first_token_seconds", "Time from arrival to "
+                                      "the first token, by tenant.", tenant_labels, namespace="",
+                                      buckets=_TTFT_BUCKETS, registry=request_registry)
         self._slo_outcomes = None
         if self.slo is not None:
             # Server-side goodput: the rate of outcome="met" is requests served within every target.
@@ -442,6 +493,12 @@ class ServerMetrics:
 
     def observe_finished(self, info: FinishedRequest) -> None:
         self._success.labels(self.model_name, info.finish_reason).inc()
+        tenant = self._tenant_label(info.tenant)
+        self._tenant_requests.labels(self.model_name, tenant, info.finish_reason).inc()
+        self._tenant_prompt.labels(self.model_name, tenant).inc(info.num_prompt_tokens)
+        self._tenant_generation.labels(self.model_name, tenant).inc(info.num_generation_tokens)
+        if info.finish_reason in ("stop", "length") and info.first_token_time is not None:
+            self._tenant_ttft.labels(self.model_name, tenant).observe(max(0.0, info.first_token_time - info.arrival_time))
         if info.finish_reason not in ("stop", "length"):
             return   # aborted/failed requests would skew the latency histograms
         self.e2e.observe(max(0.0, info.finished_time - info.arrival_time))

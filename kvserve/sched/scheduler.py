@@ -27,6 +27,9 @@ Priority (`scheduling_policy` priority; kvserve/sched/priority.py): running and 
 are ordered by effective priority (lower first, aged by time in the engine), then arrival, so
 preemption under KV pressure takes the worst first; and a waiting request that outranks the worst
 running one but cannot be admitted (no slot or no blocks) preempts it before the step is built.
+
+Fair share (`scheduling_policy` fair; kvserve/sched/fair_share.py): waiting requests are admitted
+by their tenant's virtual token counter, lowest first (VTC).
 """
 
 from __future__ import annotations
@@ -34,12 +37,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from typing import Optional
+from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.preemption_cost import PreemptionCost
+from kvserve.sched.fair_share import VirtualTokenCounters
 from kvserve.sched.priority import priority_key
+from kvserve.sched.qos_config import load_qos_config
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
@@ -78,6 +83,10 @@ class Scheduler:
         # Admit new work only while this many blocks stay free, so a fresh admission does not
         # immediately force a running request out.
         self._admission_watermark_blocks = max(1, kv_manager.num_blocks // 100)
+        # Fair share between tenants (kvserve/sched/fair_share.py); the config is checked here, at start.
+        qos = load_qos_config(config.qos_config)
+        self.fair: Optional[VirtualTokenCounters] = (VirtualTokenCounters(qos) if config.scheduling_policy == "fair"
+                                                     else None)
         targets = SLOTargets(config.slo_ttft, config.slo_tpot, config.slo_shed)
         self.slo: Optional[SLOController] = SLOController(targets, config.max_num_seqs) if targets.enabled else None
 
@@ -185,6 +194,10 @@ class Scheduler:
             # For the latency simulation only: the hit as it stands now (admission looks again).
             hit = self._lookup(request)
             request.expected_cached_tokens = hit.num_tokens if hit is not None else 0
+        if self.fair is not None:
+            active = {r.tenant for r in itertools.chain(self.waiting, self.running, self.loading.values())}
+            if request.tenant not in active:
+                self.fair.activate(request.tenant, active)
         self.waiting.append(request)
 
     # --- one step ---------------------------------------------------------------------------
@@ -323,6 +336,8 @@ class Scheduler:
         preempted and starving requests ahead in FIFO order."""
         if self._by_priority:
             return sorted(self.waiting, key=self._priority_key())[:self.config.max_num_seqs]
+        if self.fair is not None:
+            return self._fair_order()
         if not self._cache_aware:
             return list(itertools.islice(self.waiting, self.config.max_num_seqs))
         window = list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
@@ -336,6 +351,16 @@ class Scheduler:
             return (1, -(hit.num_tokens if hit is not None else 0), position)
 
         return [request for _, request in sorted(enumerate(window), key=rank)]
+
+    def _fair_order(self) -> Iterable[Request]:
+        """Waiting requests, each time the one of the tenant with the lowest virtual counter (then
+        the earliest): lazily, since each admission charges its tenant."""
+        fair = self.fair
+        pending = list(self.waiting)
+        while pending:
+            best = min(pending, key=lambda r: (fair.counter(r.tenant), r.arrival_time))
+            pending.remove(best)
+            yield best
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
@@ -376,6 +401,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
+                if self.fair is not None:
+                    self.fair.charge(request.tenant, prompt_tokens=request.num_prompt_tokens - num_cached)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             if self.kv_manager.is_loading(request.request_id):
@@ -426,6 +453,8 @@ class Scheduler:
     def append_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
         """Records a sampled token and finishes the request on eos, a stop id or its length limit."""
         request.output_token_ids.append(token_id)
+        if self.fair is not None:
+            self.fair.charge(request.tenant, output_tokens=1)
         self._check_stop(request, token_id, eos_token_ids)
 
     def fill_pending_token(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
@@ -433,6 +462,8 @@ class Scheduler:
         if not request.output_token_ids or request.output_token_ids[-1] != PENDING_TOKEN:
             raise RuntimeError(f"request {request.request_id} has no pending token to fill")
         request.output_token_ids[-1] = token_id
+        if self.fair is not None:
+            self.fair.charge(request.tenant, output_tokens=1)
         self._check_stop(request, token_id, eos_token_ids)
 
     def _check_stop(self, request: Request, token_id: int, eos_token_ids: set[int]) -> None:
@@ -481,8 +512,12 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         latency = self.slo.make_stats(self.step_token_budget()) if self.slo is not None else None
+        by_tenant: dict[Optional[str], int] = {}
+        for request in itertools.chain(self.running, self.loading.values()):
+            by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + len(
+                self.kv_manager.block_table(request.request_id))
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.prefetching),
-                              self.num_preemptions_total, latency, len(self.loading))
+                              self.num_preemptions_total, latency, len(self.loading), by_tenant)
 
     @property
     def is_stalled(self) -> bool:

@@ -84,17 +84,23 @@ class ChoiceState:
 @dataclass
 class UsageCounter:
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     completion_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def update(self, output: RequestOutput) -> None:
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+        if output.num_cached_tokens is not None:
+            self.cached_tokens[output.request_id] = output.num_cached_tokens
         for sample in output.outputs:
             self.completion_tokens[(output.request_id, sample.index)] = len(sample.token_ids)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
         completion = sum(self.completion_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # As OpenAI reports them: prompt tokens served from the cache (here the prefix cache and
+        # the KV tiers), within prompt_tokens.
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
 
 
 class ServingContext:

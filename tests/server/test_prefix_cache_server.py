@@ -121,3 +121,33 @@ def test_prefix_cache_metrics(server):
     assert _metric(url, "kvserve:prefix_cache_policy_info", policy="adaptive") == 1
     assert "kvserve:prefix_cache_adaptive_shadow_hit_rate" in text and 'arm="lru"' in text
     assert "kvserve:prefix_cache_evictions_total" in text
+
+
+def _tenant_metric(url: str, name: str, tenant: str, **labels: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if match and f'tenant="{tenant}"' in match.group(1) and all(
+                f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+            return float(match.group(2))
+    return 0.0
+
+
+def test_per_tenant_request_token_and_latency_series(server):
+    url, _ = server
+    names = ("kvserve:tenant_prompt_tokens_total", "kvserve:tenant_generation_tokens_total",
+             "kvserve:tenant_time_to_first_token_seconds_count")
+    before = {(n, t): _tenant_metric(url, n, t) for n in names for t in ("tenant-a", "tenant-b")}
+    done = {t: _tenant_metric(url, "kvserve:tenant_requests_total", t, finished_reason="length")
+            for t in ("tenant-a", "tenant-b")}
+    _chat(url, "sk-a", "How do I update the firmware?")
+    _chat(url, "sk-a", "What does the amber light mean?")
+    _chat(url, "sk-b", "Can I add a shelf later?")
+    assert _tenant_metric(url, "kvserve:tenant_requests_total", "tenant-a", finished_reason="length") == \
+        done["tenant-a"] + 2
+    assert _tenant_metric(url, "kvserve:tenant_requests_total", "tenant-b", finished_reason="length") == \
+        done["tenant-b"] + 1
+    assert _tenant_metric(url, names[1], "tenant-a") - before[(names[1], "tenant-a")] == 16     # 2 x max_tokens 8
+    assert _tenant_metric(url, names[1], "tenant-b") - before[(names[1], "tenant-b")] == 8
+    assert _tenant_metric(url, names[0], "tenant-a") - before[(names[0], "tenant-a")] > \
+        _tenant_metric(url, names[0], "tenant-b") - before[(names[0], "tenant-b")] > 0
+    assert _tenant_metric(url, names[2], "tenant-a") - before[(names[2], "tenant-a")] == 2

@@ -219,3 +219,16 @@ def test_press_metrics_come_from_the_press_stats():
     assert samples['kvserve:kv_press_tokens_recalled_total{model_name="m",press="snapkv"}'] == 48
     without = EngineSnapshot.from_stats(_stats(), num_steps=9, num_step_errors=0, rejected_by_gate=0)
     assert not any(name in ServerMetrics(lambda: without, "m").render().decode() for name in PRESS_METRIC_NAMES)
+
+
+def test_tenant_labels_are_bounded_and_the_kv_gauge_sums_by_label():
+    from kvserve.obs.metrics import TenantLabels
+    label = TenantLabels(limit=2)
+    assert [label(t) for t in ("a", None, "b", "a", "c")] == ["a", "none", "other", "a", "other"]
+    stats = _stats()
+    stats = EngineStats(SchedulerStats(2, 1, 3, kv_blocks_by_tenant={"a": 5, None: 2}), stats.kv_cache, 50, 20,
+                        {"stop": 4})
+    snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
+    samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
+    assert samples['kvserve:tenant_kv_blocks{model_name="m",tenant="a"}'] == 5
+    assert samples['kvserve:tenant_kv_blocks{model_name="m",tenant="none"}'] == 2
