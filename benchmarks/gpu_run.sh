@@ -2,7 +2,7 @@
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
-#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn] [coldtiers] [press]
+#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn] [coldtiers] [press] [presstier]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -121,6 +121,12 @@ if [[ $what == *" press "* ]]; then   # decode step time and KV per request afte
   timeout 330 python3 benchmarks/kv/press_speed_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
     --dtype bfloat16 --context 32768 --batch 16 --ratios ${PRESS_RATIOS:-1,0.5,0.25} --formats bf16,int4 \
     --json "$OUT/h200_press_speed_qwen7b_32k.json" 2>&1 | grep -v Warn | tail -14 | tee "$OUT/gpu_press_speed.log"
+fi
+if [[ $what == *" presstier "* ]]; then   # the tiering press mode's step time at 25% resident (issue 28)
+  timeout 400 python3 benchmarks/kv/press_speed_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --context 32768 --batch 16 --ratios 1,0.25 --formats bf16 --press-mode tier \
+    --kv-host-memory 40GiB --json "$OUT/h200_press_tier_speed_qwen7b_32k.json" 2>&1 | grep -v Warn | tail -8 \
+    | tee "$OUT/gpu_press_tier_speed.log"
 fi
 if [[ $what == *" coldtiers "* ]]; then   # a 32k prefix from the disk and Redis tiers against computing it
   # redis-server: the one on PATH, or a carried binary at .redis/redis-server (with its libraries

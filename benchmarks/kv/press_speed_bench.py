@@ -12,6 +12,11 @@ batch, the KV blocks each request holds after its press, and the requests that w
 cache at that size. A batch with a short context (`--short-context`) gives the step time without
 long-context attention, so the attention part of a step is (step - short step) and its share at a
 ratio can be set against the ratio itself (the proportional gain).
+
+`--press-mode tier` runs the tiering mode instead (engine/kv_tiering.py): the same share of blocks
+stays on the GPU, the rest go to a host tier of `--kv-host-memory`, and every `--kv-tier-interval`
+decode steps the blocks are ranked and recalled; its step time, set against the drop mode's at
+the same ratio, is the cost of the rankings and recalls.
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ FORMATS = {"bf16": {"kv_cache_dtype": "auto"},
            "int8": {"kv_cache_dtype": "int8"}, "fp8": {"kv_cache_dtype": "fp8"}}
 
 
-def run_batch(engine: Engine, context: int, batch: int, ratio: float, decode_steps: int, seed: int) -> dict:
+def run_batch(engine: Engine, context: int, batch: int, ratio: float, decode_steps: int, seed: int,
+              mode: str = "drop") -> dict:
     rng = random.Random(seed)
-    press = {} if ratio >= 1 else dict(kv_press="streaming_llm", kv_keep_ratio=ratio)
+    press = {} if ratio >= 1 else dict(kv_press="streaming_llm", kv_keep_ratio=ratio, kv_press_mode=mode)
     # The first requests decode while the later ones prefill (a token per step): enough tokens that
     # all of them are still decoding for `decode_steps` steps once the last prefill is done.
     prefill_steps = -(-context * batch // engine.config.scheduler_config.max_num_batched_tokens) + batch
     params = SamplingParams(max_tokens=decode_steps + prefill_steps, temperature=0.0, ignore_eos=True, **press)
-    ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(context)]}, params)
+    top = min(30000, engine.model.config.vocab_size)
+    ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(10, top) for _ in range(context)]}, params)
            for _ in range(batch)]
     decode_times, blocks_held = [], None
     started = time.perf_counter()
@@ -78,19 +85,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default="bf16,int4")
     parser.add_argument("--decode-steps", type=int, default=48)
     parser.add_argument("--kv-cache-memory", default="48GiB")
+    parser.add_argument("--press-mode", default="drop", choices=("drop", "tier"))
+    parser.add_argument("--kv-host-memory", default="40GiB", help="tier mode: the host tier's size")
+    parser.add_argument("--kv-tier-interval", type=int, default=4)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
-    results = {"command": "python " + " ".join(sys.argv), "context": args.context, "batch": args.batch, "formats": {}}
+    results = {"command": "python " + " ".join(sys.argv), "context": args.context, "batch": args.batch,
+               "press_mode": args.press_mode, "formats": {}}
+    tier = args.press_mode == "tier"
+    # The host tier needs prefix caching; random prompts share nothing, so it changes nothing else.
+    tier_options = dict(kv_host_memory=_parse_bytes(args.kv_host_memory), kv_tier_interval=args.kv_tier_interval,
+                        enable_prefix_caching=True) if tier else dict(enable_prefix_caching=False)
+    if tier:
+        results["kv_tier_interval"] = args.kv_tier_interval
     for name in args.formats.split(","):
         engine = Engine.from_options(model=args.model, load_format=args.load_format, dtype=args.dtype,
-                                     kv_cache_memory=_parse_bytes(args.kv_cache_memory), enable_prefix_caching=False,
+                                     kv_cache_memory=_parse_bytes(args.kv_cache_memory),
                                      max_model_len=args.context + 4096, max_num_seqs=args.batch,
-                                     kv_press_min_tokens=64, **FORMATS[name])
+                                     kv_press_min_tokens=64, **tier_options, **FORMATS[name])
         rows = [run_batch(engine, args.short_context, args.batch, 1.0, args.decode_steps, seed=1)]
         rows[0]["short"] = True
         for index, ratio in enumerate(ratios):
-            rows.append(run_batch(engine, args.context, args.batch, ratio, args.decode_steps, seed=10 + index))
+            rows.append(run_batch(engine, args.context, args.batch, ratio, args.decode_steps, seed=10 + index,
+                                  mode=args.press_mode))
         short = rows[0]["decode_step_ms"]
         full = next((r["decode_step_ms"] for r in rows[1:] if r["ratio"] >= 1), None)
         for row in rows[1:]:
