@@ -353,14 +353,19 @@ class Scheduler:
         return [request for _, request in sorted(enumerate(window), key=rank)]
 
     def _fair_order(self) -> Iterable[Request]:
-        """Waiting requests, each time the one of the tenant with the lowest virtual counter (then
-        the earliest): lazily, since each admission charges its tenant."""
+        """Waiting requests, each time the next one (in queue order) of the tenant with the lowest
+        virtual counter, the earliest head first among equals: lazily, since each admission charges
+        its tenant. One pass to group the queue by tenant; then a choice among tenants, not requests."""
         fair = self.fair
-        pending = list(self.waiting)
-        while pending:
-            best = min(pending, key=lambda r: (fair.counter(r.tenant), r.arrival_time))
-            pending.remove(best)
-            yield best
+        queues: dict[Optional[str], deque[Request]] = {}
+        for request in self.waiting:
+            queues.setdefault(request.tenant, deque()).append(request)
+        while queues:
+            tenant = min(queues, key=lambda t: (fair.counter(t), queues[t][0].arrival_time))
+            queue = queues[tenant]
+            yield queue.popleft()
+            if not queue:
+                del queues[tenant]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
