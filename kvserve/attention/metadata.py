@@ -7,6 +7,7 @@ requests. Tokens are laid out decodes first (one query token each), then prefill
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -20,11 +21,18 @@ class PrefillChunk:
     kv_row: int = -1          # the request's row in quantized caches' per-sequence state (window ring)
 
 
+class QueryRecorder(Protocol):
+    """What an attention layer hands its queries (RoPE applied) to, once per layer in layer order."""
+
+    def record(self, query: torch.Tensor) -> None: ...
+
+
 @dataclass
 class QueryObservation:
-    """Rows of the flat batch whose queries (RoPE applied) every attention layer records, in layer
-    order: what a press that scores tokens by attention reads (kvserve/press). A step that observes
-    runs eagerly (no CUDA graph), and on a CPU through the model's own forward."""
+    """Rows of the flat batch whose queries every attention layer records, in layer order: what a
+    press that scores tokens by attention reads (kvserve/press). An eager step that observes runs,
+    on a CPU, through the model's own forward; a decode graph records into its own buffer
+    (worker/cuda_graphs.py, GraphQueries)."""
     rows: torch.Tensor                                             # [R] int64
     layers: list[torch.Tensor] = field(default_factory=list)       # per layer [R, heads, head_dim] fp32
 
@@ -46,4 +54,4 @@ class AttentionMetadata:
     kv_window_slots: torch.Tensor | None = None
     kv_rows: torch.Tensor | None = None
     decode_kv_rows: torch.Tensor | None = None
-    observe: QueryObservation | None = None
+    observe: QueryRecorder | None = None

@@ -153,7 +153,11 @@ class Engine:
                 self.preemption_cost = PreemptionCost(self.kv_bytes_per_token, transfer_bytes_per_s=link)
         if not model_cfg.enforce_eager:
             started = time.perf_counter()
-            self.runner.capture_cuda_graphs(config.scheduler_config.max_num_seqs, max_model_len)
+            # With the host tier a request may tier its KV (kv_press_mode "tier"), which ranks blocks
+            # on decode queries: the graphs record them, so its ranking steps replay graphs too.
+            tiering_possible = host_tier is not None and isinstance(self.model, LlamaForCausalLM)
+            self.runner.capture_cuda_graphs(config.scheduler_config.max_num_seqs, max_model_len,
+                                            self.source.hf_config.num_attention_heads if tiering_possible else 0)
             if self.runner.graphs is not None:
                 logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
                             self.runner.graphs.sizes, time.perf_counter() - started)
@@ -442,7 +446,7 @@ class Engine:
                         f"running, {self.kv_manager.num_free_blocks} of {self.kv_manager.num_blocks} KV blocks "
                         f"free)")
                 return outputs
-            press_due = self.press.due(sched_out, self.kv_manager)
+            press_due = self.press.due(sched_out)
             if self._async and not press_due and self.runner.can_launch_ahead(sched_out):
                 launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight)
                 if self._inflight is not None:

@@ -31,9 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
 import torch
 
-from kvserve.worker.key_summaries import block_best_ranks, block_bounds, block_key_summaries, block_votes
+from kvserve.worker.key_summaries import block_bounds, block_key_summaries, block_row_ranks
 from kvserve.worker.press_apply import press_votes
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ class TierState:
     summaries: Optional[torch.Tensor] = None  # [capacity, layers, kv_heads, 2, head_dim], row = logical
     num_summarized: int = 0                   # logical blocks [0, num_summarized) have summaries
     recalls: dict[int, tuple[int, Optional[int]]] = field(default_factory=dict)  # ticket -> (logical, victim)
-    steps: int = 0                            # decode steps since the last ranking
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Tiering:
     def __init__(self, block_size: int, window: int, interval: int, max_recalls: int, scale: float) -> None:
         self.block_size, self.window, self.interval, self.max_recalls = block_size, window, interval, max_recalls
         self.scale = scale
+        self.clock = 0                          # steps scheduled (see tick)
 
     def _hot(self, num_positions: int) -> set[int]:
         """Logical blocks that stay on the GPU: the first, and those of the last `window` tokens."""
@@ -100,14 +101,18 @@ class Tiering:
             return None
         votes = press_votes(kv_store, press, table, protected, end, keep,
                             queries if press.needs_queries else None, self.scale)
-        ranked = sorted(candidates, key=lambda b: -float(votes[b]))        # stable: ties keep the earlier
+        candidate_votes = votes.cpu().numpy()[candidates]
+        ranked = [candidates[i] for i in np.argsort(-candidate_votes, kind="stable")]   # ties keep the earlier
         state = TierState(list(range(len(table))), len(table), first, dict(zip(candidates, host_ids)))
         self._summarize(state, kv_store, table, num_full)
         if last_query:
             # The ranking a decode step would run, on the last prompt token's query, with the press's
             # choice as the resident set: nothing has left the GPU yet, so every recall is free
             # and none is capped. The press's choice decides among equals.
-            ranked = self._rank(state, candidates, set(ranked[:budget]), last_query, budget)
+            chosen = set(ranked[:budget])
+            ranked = self._rank(state, np.asarray(candidates, dtype=np.int64),
+                                np.fromiter((b in chosen for b in candidates), dtype=bool, count=len(candidates)),
+                                last_query, budget).tolist()
         cold = sorted(ranked[budget:])
         kv_manager.demote(rid, cold)
         cold_set = set(cold)
@@ -117,15 +122,17 @@ class Tiering:
         return state
 
     # --- during decode ------------------------------------------------------------------------------
-    def due(self, state: TierState, samples_token: bool, kv_manager: "KVCacheManager", request_id: str
-            ) -> Optional[int]:
-        """Query rows to record in this step for the request (1: it is ranked after it; 0: only its
-        landed recalls are placed), or None when nothing is due."""
-        if samples_token:
-            state.steps += 1
-            if state.steps >= self.interval:
-                return 1
-        return 0 if kv_manager.has_recalls(request_id) else None
+    def tick(self) -> bool:
+        """One scheduled step; True when it is a ranking step. Every tiered request ranks on the same
+        steps, so the other steps run as plain decodes (launched ahead, CUDA graphs) for all of them."""
+        self.clock += 1
+        return self.clock % self.interval == 0
+
+    @staticmethod
+    def due(samples_token: bool, ranking_step: bool) -> Optional[int]:
+        """Query rows to record in this step for a tiered request (1: it is ranked after it), or None
+        when nothing is due. Recalls that landed are placed at the next ranking step."""
+        return 1 if samples_token and ranking_step else None
 
     def step(self, request: "Request", state: TierState, kv_store: "KVCacheStore", kv_manager: "KVCacheManager",
              keep: int, queries: Optional[list[torch.Tensor]], counts: TierCounts) -> None:
@@ -149,24 +156,36 @@ class Tiering:
             self._summarize(state, kv_store, kv_manager.block_table(rid), num_full)
         if not queries:
             return
-        state.steps = 0
-        hot = self._hot(positions)
-        region = range(state.first_region, num_full)
-        candidates = [b for b in region if b not in hot and b in state.host_of]
+        # In arrays over logical blocks: a request has thousands of them, ranked every few steps.
+        region = np.arange(state.first_region, num_full)
+        not_hot = (region != 0) & (region < max(0, positions - self.window) // bs)
+        has_host = np.zeros(len(region), dtype=bool)
+        if state.host_of:
+            with_copy = np.fromiter(state.host_of, dtype=np.int64, count=len(state.host_of))
+            has_host[with_copy[(with_copy >= state.first_region) & (with_copy < num_full)] - state.first_region] = True
+        candidates = region[not_hot & has_host]
         # Full blocks without a host copy (the host tier had no room) stay, and count against it.
-        stuck = sum(1 for b in region if b not in hot and b not in state.host_of)
-        budget = max(0, self._warm_budget(-(-keep // bs), list(region), hot) - stuck)
-        if not candidates:
+        stuck = int((not_hot & ~has_host).sum())
+        budget = max(0, -(-keep // bs) - int((~not_hot).sum()) - stuck)
+        if not len(candidates):
             return
-        in_table = set(state.table_logicals)
-        resident = in_table | {logical for logical, _ in state.recalls.values()}
-        order = self._rank(state, candidates, resident, [q[-1] for q in queries], budget)
-        wanted = set(order[:budget])
-        promised = {victim for _, victim in state.recalls.values()}     # a recall in flight replaces them
+        in_table = np.zeros(state.next_logical, dtype=bool)
+        in_table[state.table_logicals] = True
+        resident = in_table.copy()
+        promised = np.zeros(state.next_logical, dtype=bool)      # a recall in flight replaces them
+        for logical, victim in state.recalls.values():
+            resident[logical] = True
+            if victim is not None:
+                promised[victim] = True
+        order = self._rank(state, candidates, resident[candidates], [q[-1] for q in queries], budget)
+        wanted = np.zeros(state.next_logical, dtype=bool)
+        wanted[order[:budget]] = True
         # Resident blocks the ranking does not want, worst first.
-        surplus = [b for b in reversed(order) if b in in_table and b not in wanted and b not in promised]
-        warm = sum(1 for b in candidates if b in resident and b not in promised)
-        to_recall = [b for b in order[:budget] if b not in resident][:self.max_recalls]
+        backwards = order[::-1]
+        surplus = backwards[in_table[backwards] & ~wanted[backwards] & ~promised[backwards]].tolist()
+        warm = int((resident[candidates] & ~promised[candidates]).sum())
+        best = order[:budget]
+        to_recall = best[~resident[best]][:self.max_recalls].tolist()
         victims = surplus[:max(0, warm + len(to_recall) - budget)]
         paired, demote_now = victims[:len(to_recall)], victims[len(to_recall):]
         for index_in_recalls, logical in enumerate(to_recall):
@@ -184,20 +203,23 @@ class Tiering:
             counts.tokens_demoted += len(demote_now) * bs
 
     @staticmethod
-    def _rank(state: TierState, candidates: list[int], resident: set[int], query: list[torch.Tensor],
-              budget: int) -> list[int]:
-        """Candidates, best first: by the block's best rank among the bounds of any (layer, query
-        head), so each head's favourite blocks come first (a retrieval head's needle is one head's
-        top block, not many heads' middling one); then by how many rows put it among their `budget`
-        highest; a resident block first among equals (so blocks do not flap)."""
-        index = torch.as_tensor(candidates, device=state.summaries.device)
-        bounds = block_bounds(query, state.summaries.index_select(0, index))
-        best = block_best_ranks(bounds).cpu()
-        votes = block_votes(bounds, budget).cpu()
-        votes += RESIDENT_BONUS * torch.tensor([b in resident for b in candidates], dtype=torch.float32)
-        # Sort by best rank, then by votes: lexicographic through one float key (votes < n_rows + 1).
-        key = best.double() * (bounds.shape[0] * bounds.shape[1] + 1) - votes.double()
-        return [candidates[i] for i in torch.argsort(key, stable=True).tolist()]
+    def _rank(state: TierState, candidates: np.ndarray, is_resident: np.ndarray, query: list[torch.Tensor],
+              budget: int) -> np.ndarray:
+        """Candidates (logical blocks), best first: by the block's best rank among the bounds of any
+        (layer, query head), so each head's favourite blocks come first (a retrieval head's needle is
+        one head's top block, not many heads' middling one); then by how many rows put it among their
+        `budget` highest; a resident block first among equals (so blocks do not flap). On the
+        device, with one read back (the order)."""
+        device = state.summaries.device
+        bounds = block_bounds(query, state.summaries[:state.num_summarized])
+        bounds = bounds.index_select(-1, torch.from_numpy(candidates).to(device))
+        ranks = block_row_ranks(bounds)                                  # [rows, n]
+        best = ranks.min(dim=0).values.double()
+        votes = (ranks < budget).sum(dim=0).double()
+        votes += RESIDENT_BONUS * torch.from_numpy(is_resident.astype(np.float64)).to(device)
+        # Sort by best rank, then by votes: lexicographic through one float key (votes < rows + 1).
+        key = best * (ranks.shape[0] + 1) - votes
+        return candidates[torch.argsort(key, stable=True).cpu().numpy()]
 
     def _place_recalls(self, request: "Request", state: TierState, kv_manager: "KVCacheManager",
                        counts: TierCounts) -> None:

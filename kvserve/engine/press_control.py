@@ -132,10 +132,11 @@ class PressControl:
                              "(in the request, or the server's --kv-keep-ratio / --kv-keep-tokens)")
         return PressPlan(press, ratio, tokens, mode)
 
-    def due(self, sched_out: "SchedulerOutput", kv_manager: "KVCacheManager") -> dict[str, int]:
+    def due(self, sched_out: "SchedulerOutput") -> dict[str, int]:
         """Requests whose press runs after this step, with the query rows their press needs recorded
         (0 for presses that read keys only)."""
         due: dict[str, int] = {}
+        ranking_step = self.tiering.tick()
         for item in sched_out.scheduled:
             request = item.request
             plan = request.press
@@ -149,7 +150,7 @@ class PressControl:
                 due[request.request_id] = rows
                 continue
             elif plan.tier is not None:
-                tier_rows = self.tiering.due(plan.tier, item.samples_token, kv_manager, request.request_id)
+                tier_rows = self.tiering.due(item.samples_token, ranking_step)
                 if tier_rows is not None:
                     due[request.request_id] = tier_rows          # the bounds read the query, whatever the press
                 continue

@@ -488,9 +488,6 @@ class KVCacheManager:
         recalls that ended since the last call; the blocks are the caller's to place."""
         return self._recalled.pop(request_id, [])
 
-    def has_recalls(self, request_id: str) -> bool:
-        return bool(self._recalled.get(request_id))
-
     def insert_block(self, request_id: str, index: int, block_id: int) -> None:
         """Places a recalled full block at table position `index` (before the block that holds the
         next token)."""

@@ -34,6 +34,21 @@ class GraphRunner(Protocol):
     def feed_pending_tokens(self, input_ids: torch.Tensor, items: list[ScheduledRequest], previous) -> None: ...
 
 
+class GraphQueries:
+    """A decode graph's query recorder: every attention layer copies its queries into one static
+    buffer [layers, rows, heads, head_dim] (the tiering press mode ranks KV blocks on them), so a
+    step whose queries are wanted still replays its graph. The layer counter wraps, so each
+    forward (warm-ups, the capture) starts again at layer 0."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._layer = 0
+
+    def record(self, query: torch.Tensor) -> None:
+        self.buffer[self._layer].copy_(query)
+        self._layer = (self._layer + 1) % self.buffer.shape[0]
+
+
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to the limit: padding wastes at most 15 rows."""
     sizes = [size for size in (1, 2, 4, 8) if size <= max_batch_size]
@@ -62,10 +77,13 @@ class DecodeGraphs:
     positions, slots (-1 = padding row, skipped by the store kernel), block tables at the full
     width max_model_len / block_size (only the columns a step needs are refreshed: the kernel never
     reads past a sequence's own blocks) and context lengths (0 = padding row). Steps with prefill
-    chunks, prompt logprobs or a batch over the largest size run eagerly.
+    chunks, prompt logprobs or a batch over the largest size run eagerly. With `record_queries` the
+    graphs with `query_heads` (the model's query heads; 0: none) also copy every layer's decode
+    queries into `queries` (GraphQueries).
     """
 
-    def __init__(self, runner: GraphRunner, max_batch_size: int, max_model_len: int) -> None:
+    def __init__(self, runner: GraphRunner, max_batch_size: int, max_model_len: int,
+                 query_heads: int = 0) -> None:
         self.runner = runner
         device = runner.device
         self.sizes = graph_batch_sizes(max_batch_size)
@@ -84,6 +102,10 @@ class DecodeGraphs:
             self.kv_window_slots = torch.full((largest, 2), trash, dtype=torch.long, device=device)
             self.kv_rows = torch.full((largest,), runner.num_kv_rows, dtype=torch.long, device=device)
             self.decode_kv_rows = torch.zeros(largest, dtype=torch.long, device=device)
+        self.queries = None
+        if query_heads:
+            self.queries = torch.zeros(runner.model.num_kv_layers, largest, query_heads, runner.kv_spec.head_dim,
+                                       dtype=runner.kv_spec.model_dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -113,6 +135,8 @@ class DecodeGraphs:
             meta.kv_window_slots = self.kv_window_slots[:size]
             meta.kv_rows = self.kv_rows[:size]
             meta.decode_kv_rows = self.decode_kv_rows[:size]
+        if self.queries is not None:
+            meta.observe = GraphQueries(self.queries[:, :size])
         return meta
 
     def try_run(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]],

@@ -29,43 +29,42 @@ def block_key_summaries(kv_store: KVCacheStore, block_ids: list[int]) -> torch.T
     return torch.stack(out, dim=1).to(kv_store.spec.model_dtype)
 
 
-def block_bounds(queries: list[torch.Tensor], summaries: torch.Tensor) -> torch.Tensor:
-    """[layers, heads, n]: per layer and query head, the upper bound of q . k over each block's keys.
+def block_bounds(queries: list[torch.Tensor] | torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """[layers, heads, n] fp32: per layer and query head, the upper bound of q . k over each block's keys.
 
-    queries: per layer [heads, head_dim] (one decode query, RoPE applied); summaries as
-    `block_key_summaries` gives them. Query heads share their KV head's summary (GQA)."""
-    n, num_layers, kv_heads = summaries.shape[:3]
-    out = []
-    for layer in range(num_layers):
-        q = queries[layer].float()
-        group = q.shape[0] // kv_heads
-        q = q.view(kv_heads, group, 1, -1)                                      # [H, G, 1, D]
-        s = summaries[:, layer].float().permute(1, 2, 0, 3)                      # [H, 2, n, D]
-        low, high = s[:, 0][:, None], s[:, 1][:, None]                           # [H, 1, n, D]
-        out.append(torch.maximum(q * low, q * high).sum(dim=-1).reshape(kv_heads * group, n))
-    return torch.stack(out)
-
-
-def block_votes(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """[n] float: for how many (layer, head) rows of `scores` [layers, heads, n] each block is among
-    the row's `count` highest (ties go to the earlier block)."""
-    n = scores.shape[-1]
-    count = max(0, min(count, n))
-    votes = torch.zeros(n, dtype=torch.float32, device=scores.device)
-    if count == 0:
-        return votes
-    flat = scores.reshape(-1, n)
-    top = torch.argsort(flat, dim=-1, descending=True, stable=True)[:, :count]
-    votes.index_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float32, device=scores.device))
-    return votes
+    queries: per layer [heads, head_dim] (one decode query, RoPE applied), or those stacked;
+    summaries as `block_key_summaries` gives them. Query heads share their KV head's summary (GQA).
+    max(q_c * min_c, q_c * max_c) is min(q_c, 0) * min_c + max(q_c, 0) * max_c, so the bound is one
+    batched matrix product over (layer, KV head) of the summaries' (min, max) rows with the query's
+    (negative, positive) parts: the summaries are read once, in their own dtype."""
+    n, num_layers, kv_heads, _, dim = summaries.shape
+    q = queries if isinstance(queries, torch.Tensor) else torch.stack(list(queries))
+    group = q.shape[1] // kv_heads
+    q = q.float().view(num_layers * kv_heads, group, dim)
+    parts = torch.cat((q.clamp(max=0), q.clamp(min=0)), dim=-1)                 # [L*H, G, 2D]: (min, max)
+    rows = summaries.reshape(n, num_layers * kv_heads, 2 * dim).transpose(0, 1)   # [L*H, n, 2D]
+    bounds = torch.bmm(rows, parts.to(rows.dtype).transpose(1, 2))              # [L*H, n, G]
+    return bounds.float().view(num_layers, kv_heads, n, group).transpose(2, 3).reshape(num_layers, -1, n)
 
 
-def block_best_ranks(scores: torch.Tensor) -> torch.Tensor:
-    """[n] int64: each block's best rank over the (layer, head) rows of `scores` [layers, heads, n]
-    (0: the highest of some row; ties go to the earlier block)."""
+def block_row_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """[rows, n] int64: each block's place in every (layer, head) row of `scores` [layers, heads, n],
+    highest first (0: the row's highest; ties go to the earlier block)."""
     n = scores.shape[-1]
     flat = scores.reshape(-1, n)
     order = torch.argsort(flat, dim=-1, descending=True, stable=True)
     ranks = torch.empty_like(order)
     ranks.scatter_(1, order, torch.arange(n, device=scores.device).expand_as(order))
-    return ranks.min(dim=0).values
+    return ranks
+
+
+def block_votes(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """[n] float: for how many (layer, head) rows of `scores` [layers, heads, n] each block is among
+    the row's `count` highest (ties go to the earlier block)."""
+    return (block_row_ranks(scores) < max(0, count)).sum(dim=0).float()
+
+
+def block_best_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """[n] int64: each block's best rank over the (layer, head) rows of `scores` [layers, heads, n]
+    (0: the highest of some row; ties go to the earlier block)."""
+    return block_row_ranks(scores).min(dim=0).values

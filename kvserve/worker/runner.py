@@ -168,6 +168,15 @@ class ModelRunner:
                 start += count
         return out
 
+    def _graph_observation(self, ordered: list[ScheduledRequest], observe: dict[str, int]
+                           ) -> dict[str, list[torch.Tensor]]:
+        """The decode queries a graph replay recorded, per observed request and layer [1, heads, head_dim]
+        fp32 (copies: the next replay overwrites the buffer)."""
+        rows = [row for row, item in enumerate(ordered) if observe.get(item.request.request_id, 0)]
+        picked = self.graphs.queries[:, self._to_device(np.asarray(rows, dtype=np.int64))].float()  # [L, R, H, D]
+        return {ordered[row].request.request_id: list(picked[:, index:index + 1].unbind(0))
+                for index, row in enumerate(rows)}
+
     # --- per-sequence rows of quantized caches (window ring, error-feedback residual) -----------
     def assign_kv_rows(self, items: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> list[int]:
         """Each item's row; rows of requests that finished or were preempted go back first. A
@@ -228,8 +237,11 @@ class ModelRunner:
         if not sched_out.scheduled:
             return [], None, [], []
         ordered = None
-        if self.graphs is not None and not observe:
+        if self.graphs is not None and (not observe or (self.graphs.queries is not None
+                                                        and max(observe.values()) <= 1)):
             ordered, hidden = self.graphs.try_run(sched_out.scheduled, block_tables, previous)
+            if ordered is not None and observe:
+                self.observed = self._graph_observation(ordered, observe)
         if ordered is None:
             ordered, input_ids, positions, meta = self.build_batch(sched_out.scheduled, block_tables, observe)
             self.feed_pending_tokens(input_ids, ordered, previous)
@@ -340,13 +352,14 @@ class ModelRunner:
                 return False
         return True
 
-    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Captures decode steps for a ladder of batch sizes (see DecodeGraphs)."""
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int, query_heads: int = 0) -> None:
+        """Captures decode steps for a ladder of batch sizes (see DecodeGraphs); with `query_heads`
+        they record the decode queries too."""
         if self.device.type != "cuda" or self.forward_path.name != "triton":
             return
         if self.kv_spec.error_feedback:    # its store loops over tokens on the host: not capturable
             return
-        self.graphs = DecodeGraphs(self, max_batch_size, max_model_len)
+        self.graphs = DecodeGraphs(self, max_batch_size, max_model_len, query_heads)
 
     def _sdpa_backends(self):
         """Keeps SDPA off cuDNN: it builds a new plan for every new sequence length, which cost

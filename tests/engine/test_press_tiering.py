@@ -97,6 +97,26 @@ def test_tiering_keeps_the_budget_on_the_gpu_and_decodes_over_exactly_its_table(
     assert engine.kv_manager.host_tier.num_used_blocks == 0     # held blocks are not cached ones
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_ranking_steps_replay_graphs_that_record_the_queries_eager_steps_record(checkpoint):
+    """With the host tier the decode graphs record every layer's queries, so a ranking step replays
+    its graph; the blocks it ranks and the tokens are those of an eager engine."""
+    folder, _ = checkpoint
+    graphed, eager = _engine(folder, kv_tier_interval=2), _engine(folder, kv_tier_interval=2, enforce_eager=True)
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.queries is not None
+    replays = 0
+    original = graphed.runner._graph_observation
+
+    def counting(*args, **kwargs):                  # called after a replay that recorded queries
+        nonlocal replays
+        replays += 1
+        return original(*args, **kwargs)
+
+    graphed.runner._graph_observation = counting
+    assert _run_recording(graphed, PROMPT, _tiered()) == _run_recording(eager, PROMPT, _tiered())
+    assert replays >= MAX_NEW // 2 - 2          # (nearly) every ranking step after the prompt's end
+
+
 def test_a_recalled_block_holds_what_it_held_when_demoted(checkpoint):
     folder, _ = checkpoint
     engine = _engine(folder, kv_tier_interval=1, kv_tier_recall_blocks=4)
