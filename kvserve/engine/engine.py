@@ -325,7 +325,7 @@ class Engine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.tokenize_prompt(prompt)
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))

@@ -56,7 +56,7 @@ class TierState:
     host_of: dict[int, int] = field(default_factory=dict)     # logical -> host block holding its copy
     summaries: Optional[torch.Tensor] = None  # [capacity, layers, kv_heads, 2, head_dim], row = logical
     num_summarized: int = 0                   # logical blocks [0, num_summarized) have summaries
-    recalls: dict[int, tuple[int, Optional[int]]] = field(default_factory=dict)  # ticket -> (logical, victim)
+    recalls: dict[int, tuple[int, Optional[int]]] = field(default_factory=dict)  # recall id -> (logical, victim)
 
 
 @dataclass
@@ -134,26 +134,49 @@ class Tiering:
         when nothing is due. Recalls that landed are placed at the next ranking step."""
         return 1 if samples_token and ranking_step else None
 
-    def step(self, request: "Request", state: TierState, kv_store: "KVCacheStore", kv_manager: "KVCacheManager",
-             keep: int, queries: Optional[list[torch.Tensor]], counts: TierCounts) -> None:
-        """After a decode step: places landed recalls, summarizes and copies blocks that filled,
-        and (with the step's query) ranks the blocks, demoting and recalling."""
-        bs = self.block_size
-        rid = request.request_id
-        table = kv_manager.block_table(rid)
+    def sync(self, request: "Request", state: TierState, kv_manager: "KVCacheManager", counts: TierCounts
+             ) -> tuple[TierState, list[int], int]:
+        """After a decode step, first part: the blocks the scheduler appended get logical numbers,
+        landed recalls are placed, blocks that filled are copied to the host. Returns what
+        `summarize` needs: (state, their device blocks, the request's full blocks)."""
+        table = kv_manager.block_table(request.request_id)
         while len(state.table_logicals) < len(table):          # blocks the scheduler appended
             state.table_logicals.append(state.next_logical)
             state.next_logical += 1
         self._place_recalls(request, state, kv_manager, counts)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= state.num_summarized:
+            return state, [], num_full
+        fresh = list(range(state.num_summarized, num_full))
+        at = {b: p for p, b in enumerate(state.table_logicals)}
+        host_ids = kv_manager.copy_to_host(request.request_id, [at[b] for b in fresh])
+        if host_ids is not None:                               # else they stay resident
+            state.host_of.update(zip(fresh, host_ids))
+        table = kv_manager.block_table(request.request_id)
+        return state, [table[at[b]] for b in fresh], num_full
+
+    @staticmethod
+    def summarize(kv_store: "KVCacheStore", filled: list[tuple[TierState, list[int], int]]) -> None:
+        """Second part, for every tiered request of the step at once (one pass over the layers):
+        the key summaries of the blocks that filled."""
+        block_ids = [block for _, blocks, _ in filled for block in blocks]
+        if not block_ids:
+            return
+        rows = block_key_summaries(kv_store, block_ids)
+        start = 0
+        for state, blocks, num_full in filled:
+            if blocks:
+                Tiering._store_summaries(state, rows[start:start + len(blocks)], num_full)
+                start += len(blocks)
+
+    def rank(self, request: "Request", state: TierState, kv_manager: "KVCacheManager", keep: int,
+             queries: Optional[list[torch.Tensor]], counts: TierCounts) -> None:
+        """Third part, with the step's query: ranks the blocks, demotes and recalls (the recalls of
+        every request of the step, queued in a row, travel in one copy)."""
+        bs = self.block_size
+        rid = request.request_id
         positions = request.num_computed_tokens
         num_full = positions // bs
-        if num_full > state.num_summarized:
-            fresh = list(range(state.num_summarized, num_full))
-            at = {b: p for p, b in enumerate(state.table_logicals)}
-            host_ids = kv_manager.copy_to_host(rid, [at[b] for b in fresh])
-            if host_ids is not None:                           # else they stay resident
-                state.host_of.update(zip(fresh, host_ids))
-            self._summarize(state, kv_store, kv_manager.block_table(rid), num_full)
         if not queries:
             return
         # In arrays over logical blocks: a request has thousands of them, ranked every few steps.
@@ -189,11 +212,11 @@ class Tiering:
         victims = surplus[:max(0, warm + len(to_recall) - budget)]
         paired, demote_now = victims[:len(to_recall)], victims[len(to_recall):]
         for index_in_recalls, logical in enumerate(to_recall):
-            ticket = kv_manager.recall(rid, state.host_of[logical])
-            if ticket is None:
+            recall_id = kv_manager.recall(rid, state.host_of[logical])
+            if recall_id is None:
                 break                                          # no GPU block free: next ranking
             victim = paired[index_in_recalls] if index_in_recalls < len(paired) else None
-            state.recalls[ticket] = (logical, victim)
+            state.recalls[recall_id] = (logical, victim)
         if demote_now:
             at = {b: p for p, b in enumerate(state.table_logicals)}
             kv_manager.demote(rid, [at[b] for b in demote_now])
@@ -225,8 +248,8 @@ class Tiering:
                        counts: TierCounts) -> None:
         bs = self.block_size
         rid = request.request_id
-        for ticket, block_id in kv_manager.take_recalls(rid):
-            logical, victim = state.recalls.pop(ticket)
+        for recall_id, block_id in kv_manager.take_recalls(rid):
+            logical, victim = state.recalls.pop(recall_id)
             if block_id is None:
                 continue                                       # the copy failed (counted): it stays cold
             counts.tokens_recalled += bs
@@ -249,7 +272,11 @@ class Tiering:
             return
         at = {b: p for p, b in enumerate(state.table_logicals)}
         fresh = range(state.num_summarized, num_full)
-        rows = block_key_summaries(kv_store, [table[at[b]] for b in fresh])
+        self._store_summaries(state, block_key_summaries(kv_store, [table[at[b]] for b in fresh]), num_full)
+
+    @staticmethod
+    def _store_summaries(state: TierState, rows: torch.Tensor, num_full: int) -> None:
+        """Rows for logical blocks [num_summarized, num_full)."""
         if state.summaries is None or state.summaries.shape[0] < num_full:
             grown = torch.zeros((max(num_full, 2 * (state.summaries.shape[0] if state.summaries is not None else 0)),
                                  *rows.shape[1:]), dtype=rows.dtype, device=rows.device)

@@ -166,16 +166,19 @@ class PressControl:
 
     def apply(self, requests: list["Request"], runner: "ModelRunner", kv_manager: "KVCacheManager") -> None:
         """After the step (and `Scheduler.advance`): prunes each due request's KV and frees its tail."""
+        # Requests tiered at an earlier step: ranked together. The others are pressed (or start
+        # tiering) one by one below.
+        tiered = [r for r in requests if r.press is not None and r.press.tier is not None and not r.is_finished]
+        if tiered:
+            self._tier_step(tiered, runner, kv_manager)
+        ranked = {request.request_id for request in tiered}
         for request in requests:
             plan = request.press
-            if plan is None or request.is_finished:
+            if plan is None or request.is_finished or request.request_id in ranked:
                 continue
             first = not plan.applied
             plan.applied = True
             request.press_stop = None
-            if plan.tier is not None:
-                self._tier_step(request, plan, runner, kv_manager)
-                continue
             # Whole blocks it found in the prefix cache, and any it published since (a request whose
             # first press was skipped, pruned later by its budget): shared blocks are never rewritten.
             protected = max((request.num_cached_tokens or 0) // self.block_size * self.block_size,
@@ -221,13 +224,19 @@ class PressControl:
             counts.tokens_pruned += region - keep
             counts.blocks_freed += kv_manager.truncate(request.request_id, protected + keep)
 
-    def _tier_step(self, request: "Request", plan: PressPlan, runner: "ModelRunner",
-                   kv_manager: "KVCacheManager") -> None:
-        state = plan.tier
-        protected = state.first_region * self.block_size
-        keep = self._keep(plan, protected, request.num_computed_tokens - protected)
-        self.tiering.step(request, state, runner.kv_store, kv_manager, keep, runner.observed.get(request.request_id),
-                          self._counts[plan.press.name])
+    def _tier_step(self, requests: list["Request"], runner: "ModelRunner", kv_manager: "KVCacheManager") -> None:
+        """Tiered requests' ranking step, in three passes over them, so the step's summaries are one
+        pass over the layers and its copies to the host and its recalls one copy each."""
+        tiering = self.tiering
+        filled = [tiering.sync(request, request.press.tier, kv_manager, self._counts[request.press.press.name])
+                  for request in requests]
+        tiering.summarize(runner.kv_store, filled)
+        for request in requests:
+            plan = request.press
+            protected = plan.tier.first_region * self.block_size
+            keep = self._keep(plan, protected, request.num_computed_tokens - protected)
+            tiering.rank(request, plan.tier, kv_manager, keep, runner.observed.get(request.request_id),
+                         self._counts[plan.press.name])
 
     @staticmethod
     def _keep(plan: PressPlan, protected: int, region: int) -> int:

@@ -102,11 +102,17 @@ class KVCacheManager:
         self._touched: set[int] = set()
         # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
         self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
-        # Tiering: host blocks each request holds, recalls in flight (ticket -> request, GPU block)
-        # and landed ones not yet placed (request -> (ticket, GPU block or None if it failed)).
-        self._tier_host_ids: dict[str, list[int]] = {}
-        self._recalling: dict[int, tuple[str, int]] = {}
+        # Tiering: host blocks each request holds, recalls in flight (recall id -> request, GPU
+        # block, the copy's ticket) and landed ones not yet placed (request -> (recall id, GPU
+        # block or None if it failed)). One copy carries every recall queued in a row (a ranking
+        # step recalls a few blocks for each of many requests): `_recall_batch` is its ticket
+        # while it is the last pending copy, `_batch_recalls` its recall ids.
+        self._tier_host_ids: dict[str, set[int]] = {}
+        self._recalling: dict[int, tuple[str, int, int]] = {}
         self._recalled: dict[str, list[tuple[int, Optional[int]]]] = {}
+        self._recall_batch: Optional[int] = None
+        self._batch_recalls: dict[int, list[int]] = {}
+        self._next_recall = 0
         self.recall_failures = 0
         if host_tier is not None:
             prefix_cache.on_evict = self._write_back
@@ -162,15 +168,20 @@ class KVCacheManager:
         if orphan is not None:          # freed while loading: its blocks are safe to reuse now
             self._touched.update(orphan)
             self.pool.free(reversed(orphan))
-            return None
+            if transfer.purpose != RECALL:
+                return None
         if transfer.purpose == RECALL:
-            _, block_id = self._recalling.pop(ticket)
-            if not ok:
-                self.recall_failures += 1
-                self._touched.add(block_id)
-                self.pool.free([block_id])
-            self._recalled.setdefault(request_id, []).append((ticket, block_id if ok else None))
-            return None             # the request ran on without the block; it still may
+            for recall_id in self._batch_recalls.pop(ticket, []):
+                recalling = self._recalling.pop(recall_id, None)
+                if recalling is None:
+                    continue            # its request was freed (its block was orphaned above)
+                owner, block_id, _ = recalling
+                if not ok:
+                    self.recall_failures += 1
+                    self._touched.add(block_id)
+                    self.pool.free([block_id])
+                self._recalled.setdefault(owner, []).append((recall_id, block_id if ok else None))
+            return None             # the requests ran on without the blocks; they still may
         if ok:
             return None
         self.host_tier.load_failures += 1
@@ -235,6 +246,7 @@ class KVCacheManager:
                             after_inflight=destination != DEVICE_STORE or not self._touched.isdisjoint(dst))
                   for source, destination, purpose, ticket, src, dst in self._pending_copies]
         self._pending_copies = []
+        self._recall_batch = None
         self._touched = set()
         if self.host_tier is not None:
             self.host_tier.end_step()
@@ -457,7 +469,7 @@ class KVCacheManager:
             return None
         table = self._block_tables[request_id]
         self._queue_copies(DEVICE_STORE, HOST_STORE, [table[p] for p in positions], host_ids, SWAP_OUT)
-        self._tier_host_ids.setdefault(request_id, []).extend(host_ids)
+        self._tier_host_ids.setdefault(request_id, set()).update(host_ids)
         return host_ids
 
     def demote(self, request_id: str, positions: Sequence[int]) -> None:
@@ -471,21 +483,28 @@ class KVCacheManager:
         self.pool.free(freed)
 
     def recall(self, request_id: str, host_id: int) -> Optional[int]:
-        """Starts copying one of the request's held host blocks into a fresh GPU block; the ticket
-        (reported by `take_recalls` once it landed), or None when no GPU block is free."""
+        """Starts copying one of the request's held host blocks into a fresh GPU block; the recall's
+        id (reported by `take_recalls` once it landed), or None when no GPU block is free."""
         if host_id not in self._tier_host_ids.get(request_id, ()):
             raise ValueError(f"request {request_id} holds no host block {host_id}")
         if self.pool.num_free_blocks < 1:
             return None
         block_id = self.pool.allocate(1)[0]
-        ticket = self._new_ticket(request_id, RECALL, [host_id])
-        self._recalling[ticket] = (request_id, block_id)
-        self._queue_copies(HOST_STORE, DEVICE_STORE, [host_id], [block_id], LOAD, ticket)
-        return ticket
+        recall_id, self._next_recall = self._next_recall, self._next_recall + 1
+        last = self._pending_copies[-1] if self._pending_copies else None
+        if self._recall_batch is not None and last is not None and last[3] == self._recall_batch:
+            last[4].append(host_id)             # joins the copy queued last (nothing came between)
+            last[5].append(block_id)
+        else:
+            self._recall_batch = self._new_ticket(request_id, RECALL, [])
+            self._queue_copies(HOST_STORE, DEVICE_STORE, [host_id], [block_id], LOAD, self._recall_batch)
+        self._recalling[recall_id] = (request_id, block_id, self._recall_batch)
+        self._batch_recalls.setdefault(self._recall_batch, []).append(recall_id)
+        return recall_id
 
     def take_recalls(self, request_id: str) -> list[tuple[int, Optional[int]]]:
-        """(ticket, GPU block holding the recalled KV, or None if the copy failed) of the request's
-        recalls that ended since the last call; the blocks are the caller's to place."""
+        """(recall id, GPU block holding the recalled KV, or None if the copy failed) of the
+        request's recalls that ended since the last call; the blocks are the caller's to place."""
         return self._recalled.pop(request_id, [])
 
     def insert_block(self, request_id: str, index: int, block_id: int) -> None:
@@ -508,17 +527,24 @@ class KVCacheManager:
             if block_id is not None:
                 self._touched.add(block_id)
                 self.pool.free([block_id])
-        unissued = {copy[3] for copy in self._pending_copies if copy[3] is not None}
-        for ticket, (owner, block_id) in list(self._recalling.items()):
+        unissued = {copy[3]: copy for copy in self._pending_copies if copy[3] is not None}
+        for recall_id, (owner, block_id, ticket) in list(self._recalling.items()):
             if owner != request_id:
                 continue
-            del self._recalling[ticket]
-            if ticket in unissued:      # not handed to the worker yet: dropped, its block free now
-                self._pending_copies = [copy for copy in self._pending_copies if copy[3] != ticket]
-                del self._transfers[ticket]
+            del self._recalling[recall_id]
+            copy = unissued.get(ticket)
+            if copy is not None:        # not handed to the worker yet: dropped, its block free now
+                at = copy[5].index(block_id)
+                del copy[4][at], copy[5][at]
+                self._batch_recalls[ticket].remove(recall_id)
+                if not copy[5]:
+                    self._pending_copies.remove(copy)
+                    del self._transfers[ticket], self._batch_recalls[ticket]
+                    if self._recall_batch == ticket:
+                        self._recall_batch = None
                 self.pool.free([block_id])
             else:                       # being filled: freed when the copy lands
-                self._orphaned[ticket] = [block_id]
+                self._orphaned.setdefault(ticket, []).append(block_id)
 
     @property
     def num_tracked_requests(self) -> int:
