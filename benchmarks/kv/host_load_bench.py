@@ -24,6 +24,8 @@ import statistics
 import sys
 from typing import Optional
 
+import torch
+
 from kvserve.config import add_engine_args, engine_options_from_args
 from kvserve.eval.timing import now
 
@@ -51,6 +53,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--load-prefix-tokens", type=int, default=8192)
     parser.add_argument("--phase-steps", type=int, default=40)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-ttft", action="store_true", help="only part 2 (decode steps under loads)")
+    parser.add_argument("--profile", default=None,
+                        help="part 2: a Chrome trace (torch.profiler) of the first phase with loads, to this file")
     add_engine_args(parser)
     args = parser.parse_args(argv)
 
@@ -74,6 +79,17 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"the second evicts the first")
 
     # --- 1. TTFT cold / from host / GPU hit ------------------------------------------------------------
+    if not args.skip_ttft:
+        _ttft(engine, args, prompt, capacity, one, results)
+    _decode_under_loads(engine, args, prompt, capacity, one, results)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))},
+                       "results": results}, fh, indent=2, default=str)
+    return 0
+
+
+def _ttft(engine, args, prompt, capacity, one, results) -> None:
     _run_alone(engine, prompt(args.prefix_tokens + 1), one)      # warm-up: kernels compiled, caches touched
     cold, host, gpu = [], [], []
     for _ in range(args.repeats):
@@ -97,7 +113,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     results["ttft"]["load_GB_per_s"] = results["ttft"]["prefix_bytes"] / results["ttft"]["mean_load_s"] / 1e9
     print(json.dumps(results["ttft"]))
 
+
+def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:
     # --- 2. decode steps with and without loads in flight --------------------------------------------
+    from kvserve import SamplingParams
     loads = [prompt(args.load_prefix_tokens + 1) for _ in range(args.load_phases * args.loads_per_phase)]
     for load in loads:                      # computed once: their blocks go to the host when evicted
         _run_alone(engine, load, one)
@@ -111,21 +130,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
     quiet, busy, mixed = [], [], []
+
     loaded_before = engine.make_stats().kv_cache.host.hit_tokens
+    profiler = None
     for phase in range(2 * args.load_phases + 1):
         with_loads = phase % 2 == 1
+        if args.profile and phase == 1:             # the first phase with loads, into a Chrome trace
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.start()
+        if profiler is not None and phase == 2:
+            profiler.stop()
+            profiler.export_chrome_trace(args.profile)
+            profiler = None
         if with_loads:
             for _ in range(args.loads_per_phase):
                 engine.add_request(None, {"prompt_token_ids": loads.pop()}, one)
         for _ in range(args.phase_steps):
-            loading = bool(scheduler.loading)
-            # A step that also computes a landed load's last tokens (a prefill chunk) is slower for
-            # that work, not for the copies: only the batch's plain decode steps are compared.
-            decode_only = not scheduler.waiting and all(
-                r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+            # With loads: a load is in flight, or one was just added (this step issues its copies).
+            loading = bool(scheduler.loading) or bool(scheduler.waiting)
+            # Requests still short of their prompt's end: a load request computes its last tokens in
+            # the step after its blocks land, and (max_tokens 1) finishes in it.
+            unfinished_prompts = {rid: r.num_computed_tokens for rid, r in scheduler.requests.items()
+                                  if r.num_computed_tokens < r.num_prompt_tokens}
             started = now()
-            engine.step()
+            with torch.profiler.record_function("step_with_loads" if with_loads and loading else "step"):
+                engine.step()
             seconds = now() - started
+            # A step that also computed a landed load's last tokens (a prefill chunk) is slower for
+            # that work, not for the copies: only the batch's plain decode steps are compared.
+            after = scheduler.requests
+            # (A request admitted to load counts its blocks as computed once their copies are issued.)
+            decode_only = all(rid in after and (after[rid].num_computed_tokens == before or rid in scheduler.loading)
+                              for rid, before in unfinished_prompts.items())
             if with_loads and loading:
                 (busy if decode_only else mixed).append(seconds)
             elif not with_loads and len(scheduler.running) == args.batch:
@@ -147,12 +184,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if quiet and busy:
         results["decode_under_loads"]["slowdown"] = statistics.median(busy) / statistics.median(quiet) - 1
     print(json.dumps(results["decode_under_loads"]))
+
     results["transfers"] = engine.make_stats().kv_cache.transfers.__dict__
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))},
-                       "results": results}, fh, indent=2, default=str)
-    return 0
 
 
 if __name__ == "__main__":
