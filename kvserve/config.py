@@ -290,8 +290,9 @@ class SchedulerConfig:
                                           "token counters, weighted by --qos-config: each gets its share of the "
                                           "service while it has requests waiting)",
                                   choices=("fcfs", "priority", "fair"))
-    qos_config: Optional[str] = _opt(None, "YAML or JSON file of QoS settings: tenants' weights for the fair "
-                                           "policy (docs/qos.md)")
+    qos_config: Optional[str] = _opt(None, "YAML or JSON file of QoS settings: request classes (priority, p99 "
+                                           "targets, shedding; with the priority policy) and tenants' weights "
+                                           "for the fair policy and default classes (docs/qos.md)")
     scheduling_priority_aging: float = _opt(10.0, "priority policy: seconds in the engine that raise a request "
                                                   "one priority level, so a low-priority one is not overtaken or "
                                                   "preempted forever (0 = never)", **bounds(ge=0, unit="seconds"))

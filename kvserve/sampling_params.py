@@ -86,6 +86,9 @@ class SamplingParams:
     kv_keep_ratio: Optional[float] = None
     kv_keep_tokens: Optional[int] = None
     kv_press_mode: Optional[str] = None      # "drop" or "tier"; None: the server's --kv-press-mode
+    # Its request class (--qos-config; kvserve/sched/qos_classes.py); None: its tenant's default. The
+    # names are checked by the engine (the config is the scheduler's).
+    qos_class: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -119,6 +122,8 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of integers")
         if self.kv_press is not None and not isinstance(self.kv_press, str):
             _fail("kv_press", self.kv_press, "must be a press name (a string) or null")
+        if self.qos_class is not None and not isinstance(self.qos_class, str):
+            _fail("qos_class", self.qos_class, "must be a class name (a string) or null")
         if self.kv_press_mode is not None and self.kv_press_mode not in ("drop", "tier"):
             _fail("kv_press_mode", self.kv_press_mode, "must be 'drop', 'tier' or null")
         if self.kv_keep_ratio is not None:

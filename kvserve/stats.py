@@ -155,6 +155,21 @@ class LatencyTargetStats:
 
 
 @dataclass(frozen=True)
+class ClassLatencyStats:
+    """One request class (sched/qos_classes.py): its targets, measured p99s and counts since start."""
+    name: str
+    priority: int
+    ttft_target_s: Optional[float]
+    tpot_target_s: Optional[float]
+    ttft_p99_s: Optional[float]          # None: too few samples in the window
+    tpot_p99_s: Optional[float]
+    requests_finished: int
+    requests_shed: int
+    requests_met: int                    # finished within both targets
+    holding_lower_classes: bool          # it misses a target with work pending: lower classes wait
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -163,6 +178,7 @@ class SchedulerStats:
     num_loading: int = 0         # admitted, waiting for their KV to arrive from a tier
     # GPU KV blocks held by each tenant's running and loading requests (None: requests without one).
     kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)
+    classes: tuple[ClassLatencyStats, ...] = ()       # request classes (--qos-config), by name
 
 
 @dataclass(frozen=True)

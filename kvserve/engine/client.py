@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional, Protocol
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.stats import (ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats, PrefixCacheStats, PressStats,
-                           StepCoefficients, TransferStats)
+from kvserve.stats import (ClassLatencyStats, ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats,
+                           PrefixCacheStats, PressStats, StepCoefficients, TransferStats)
 
 
 class EngineShutdownError(RuntimeError):
@@ -64,6 +64,7 @@ class EngineSnapshot:
     kv_cold_prefetches: dict[str, int] = field(default_factory=dict)   # outcome -> prefetches on arrival
     presses: tuple[PressStats, ...] = ()              # KV presses that have run (docs/kv_compression.md)
     kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)   # running + loading requests'
+    qos_classes: tuple[ClassLatencyStats, ...] = ()   # request classes (--qos-config; docs/qos.md)
 
     @property
     def num_used_blocks(self) -> int:
@@ -93,7 +94,7 @@ class EngineSnapshot:
                    kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
                    kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
                    presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total,
-                   kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), **latency)
+                   kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), qos_classes=tuple(sched.classes), **latency)
 
 
 @dataclass

@@ -29,13 +29,13 @@ from kvserve.engine.client import (EngineDeadError, EngineShutdownError, EngineS
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.scheduler import RequestRejected
+from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.sched.slo import RequestOverloaded
 
 logger = logging.getLogger("kvserve.core_client")
 
 _ADD_ERRORS: dict[str, type[BaseException]] = {
-    "rejected": RequestRejected, "overloaded": RequestOverloaded, "invalid": ValueError,
+    "rejected": RequestRejected, "forbidden": RequestForbidden, "overloaded": RequestOverloaded, "invalid": ValueError,
     "shutting_down": EngineShutdownError, "internal": EngineStepError}
 
 

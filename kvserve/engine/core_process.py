@@ -32,7 +32,7 @@ from kvserve.engine import core_messages as msg
 from kvserve.engine.async_engine import served_model_of
 from kvserve.engine.client import EngineSnapshot
 from kvserve.engine.outputs import RequestOutput
-from kvserve.sched.scheduler import RequestRejected
+from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.sched.slo import RequestOverloaded
 
 logger = logging.getLogger("kvserve.engine_core")
@@ -201,6 +201,9 @@ class EngineCore:
                                     priority=add.priority)
         except RequestOverloaded as exc:
             self._send(frontend, msg.AddResult(add.request_id, "overloaded", str(exc)))
+            return
+        except RequestForbidden as exc:
+            self._send(frontend, msg.AddResult(add.request_id, "forbidden", str(exc)))
             return
         except RequestRejected as exc:
             self._send(frontend, msg.AddResult(add.request_id, "rejected", str(exc)))

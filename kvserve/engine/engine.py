@@ -25,7 +25,8 @@ from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestS
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.preemption_cost import PreemptionCost
-from kvserve.sched.scheduler import RequestRejected, Scheduler, SchedulerStalled
+from kvserve.sched.qos_config import QoSClassForbidden
+from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.stats import EngineStats, ExpertLoadStats
 from kvserve.kvcache.host_tier import HostTier
@@ -310,7 +311,9 @@ class Engine:
         the prompt's first pin_prefix_tokens (default all) for that many seconds (see CacheOptions).
         arrival_time (time.monotonic()) is when a server received it, if earlier than now: TTFT
         targets and metrics count from there. priority: with --scheduling-policy priority, lower
-        goes first (kvserve/sched/priority.py); ignored by fcfs."""
+        goes first (kvserve/sched/priority.py); ignored by fcfs. A request in a class
+        (params.qos_class, or its tenant's default; --qos-config) runs at its class's priority and
+        is held to its targets; RequestForbidden for a class its tenant may not use."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestRejected(f"priority must be an integer, got {priority!r}")
@@ -318,8 +321,13 @@ class Engine:
             cache_opts = CacheOptions.resolve(prompt, tenant=tenant, cache_salt=cache_salt, pin_ttl=pin_ttl,
                                               pin_prefix_tokens=pin_prefix_tokens)
             self.press.plan_for(params)          # checked once for the group; each child gets its own plan
+            qos_class = self.scheduler.qos.class_for(cache_opts.tenant, params.qos_class)
+        except QoSClassForbidden as exc:
+            raise RequestForbidden(str(exc)) from None
         except ValueError as exc:
             raise RequestRejected(str(exc)) from None
+        if qos_class is not None:
+            priority = self.scheduler.qos.classes[qos_class].priority
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -330,7 +338,7 @@ class Engine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
-        self.scheduler.check_overload(prompt_ids, max(max_tokens, 1), params.n, arrival_time, namespace)
+        self.scheduler.check_overload(prompt_ids, max(max_tokens, 1), params.n, arrival_time, namespace, qos_class)
         if cache_opts.pin_ttl is not None:
             try:
                 self.prefix.pin(prompt_ids[:cache_opts.pin_prefix_tokens], cache_opts.pin_ttl, cache_opts.tenant,
@@ -347,6 +355,7 @@ class Engine:
             if arrival_time is not None:
                 child.arrival_time = arrival_time
             child.priority = priority
+            child.qos_class = qos_class
             child.set_cache_namespace(namespace)
             child.press = self.press.plan_for(child_params)
             if child.press is not None:

@@ -231,6 +231,36 @@ class TenantLabels:
 class _EngineStateCollector:
     """Turns the latest engine snapshot into gauges and counters at scrape time."""
 
+    @staticmethod
+    def _class_families(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
+        """Request classes (--qos-config): measured p99s, counts, and whether a class holds the
+        lower ones back. The class names come from the config file: a bounded label set."""
+        if not snap.qos_classes:
+            return
+        names = labels + ["qos_class"]
+        p99 = GaugeMetricFamily(f"{NAMESPACE}:qos_class_latency_p99_seconds", "Measured p99 TTFT and TPOT of each "
+                                "request class over its recent window (absent with too few samples).",
+                                labels=names + ["metric"])
+        target = GaugeMetricFamily(f"{NAMESPACE}:qos_class_latency_target_seconds", "Each request class's p99 "
+                                   "targets.", labels=names + ["metric"])
+        holding = GaugeMetricFamily(f"{NAMESPACE}:qos_class_holding", "1 while the class misses a p99 target with "
+                                    "work pending, so lower classes are not admitted.", labels=names)
+        counts = CounterMetricFamily(f"{NAMESPACE}:qos_class_requests", "Requests of each class that finished, "
+                                     "finished within its targets, or were shed (503).", labels=names + ["outcome"])
+        for cls in snap.qos_classes:
+            row = values + [cls.name]
+            for metric, measured, goal in (("ttft", cls.ttft_p99_s, cls.ttft_target_s),
+                                           ("tpot", cls.tpot_p99_s, cls.tpot_target_s)):
+                if measured is not None:
+                    p99.add_metric(row + [metric], measured)
+                if goal is not None:
+                    target.add_metric(row + [metric], goal)
+            holding.add_metric(row, 1.0 if cls.holding_lower_classes else 0.0)
+            for outcome, value in (("finished", cls.requests_finished), ("met_targets", cls.requests_met),
+                                   ("shed", cls.requests_shed)):
+                counts.add_metric(row + [outcome], value)
+        yield from (p99, target, holding, counts)
+
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
         self._snapshot = snapshot
         self._model_name = model_name
@@ -249,6 +279,8 @@ class _EngineStateCollector:
             for label, blocks in sorted(totals.items()):
                 family.add_metric(values + [label], blocks)
             yield family
+
+        yield from self._class_families(snap, labels, values)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(f"{NAMESPACE}:{name}", doc, labels=labels)

@@ -1,10 +1,17 @@
-"""The QoS config file (`--qos-config qos.yaml|qos.json`): per-tenant scheduling weights for the
-fair-share policy (kvserve/sched/fair_share.py). Read and checked once at start: an unknown key,
-a weight that is not a positive number, or a file that does not parse is a ValueError naming it.
+"""The QoS config file (`--qos-config qos.yaml|qos.json`): request classes with their latency
+targets (kvserve/sched/qos_classes.py), and per tenant a scheduling weight for the fair-share policy
+(kvserve/sched/fair_share.py), a default class and the classes it may use. Read and checked once at
+start: an unknown key or class, a class without targets, a weight that is not a positive number,
+or a file that does not parse is a ValueError naming it.
 
+    classes:
+      gold:   {priority: 0, ttft_p99: 1.0, tpot_p99: 0.1, on_miss: shed}
+      silver: {priority: 1, ttft_p99: 4.0, on_miss: shed}
+      bronze: {priority: 2, ttft_p99: 60}        # on_miss: queue (the default)
+    default_class: bronze  # requests that name none, of tenants without a default
     tenants:
-      alice: {weight: 3}
-      bob: {weight: 1}
+      alice: {weight: 3, default_class: gold}
+      bob: {weight: 1, classes: [silver, bronze]}  # the classes bob's requests may name
     default_weight: 1      # tenants not listed, and requests without a tenant
 """
 
@@ -17,17 +24,53 @@ from typing import Optional
 import msgspec
 
 
+SHED, QUEUE = "shed", "queue"
+
+
+class QoSClassForbidden(ValueError):
+    """A request names a class its tenant may not use (HTTP 403)."""
+
+
+class QoSClass(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A request class: its scheduling priority (lower first, as the `priority` field) and the p99
+    latency targets its requests are held to. `on_miss`: shed (503 for a request that cannot get
+    its first token in time) or queue (served late)."""
+    priority: int = 0
+    ttft_p99: Optional[float] = None
+    tpot_p99: Optional[float] = None
+    on_miss: str = QUEUE
+
+
 class TenantPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weight: float = 1.0
+    default_class: Optional[str] = None
+    classes: Optional[list[str]] = None       # the classes it may name; None: any
 
 
 class QoSConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    classes: dict[str, QoSClass] = {}
+    default_class: Optional[str] = None
     tenants: dict[str, TenantPolicy] = {}
     default_weight: float = 1.0
 
     def weight_of(self, tenant: Optional[str]) -> float:
         policy = self.tenants.get(tenant) if tenant is not None else None
         return policy.weight if policy is not None else self.default_weight
+
+    def class_for(self, tenant: Optional[str], requested: Optional[str]) -> Optional[str]:
+        """The class a request runs in: the one it names, else its tenant's default, else the
+        config's; None without classes. ValueError (the first word is the field) for a class not
+        in the config, QoSClassForbidden for one its tenant may not use."""
+        policy = self.tenants.get(tenant) if tenant is not None else None
+        if requested is None:
+            return policy.default_class if policy is not None and policy.default_class else self.default_class
+        if requested not in self.classes:
+            known = ", ".join(sorted(self.classes)) if self.classes else "none are configured (--qos-config)"
+            raise ValueError(f"qos_class {requested!r} is not a class; classes: {known}")
+        if policy is not None and policy.classes is not None and requested not in policy.classes:
+            raise QoSClassForbidden(f"qos_class {requested!r} is not open to tenant {tenant!r} "
+                                    f"(its classes: {', '.join(policy.classes)})")
+        return requested
 
 
 def load_qos_config(path: Optional[str]) -> QoSConfig:
@@ -51,8 +94,31 @@ def load_qos_config(path: Optional[str]) -> QoSConfig:
         config = msgspec.convert(raw if raw is not None else {}, QoSConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"--qos-config {path}: {exc}") from None
+    _check_classes(path, config)
     for name, weight in [("default_weight", config.default_weight)] + [
             (f"tenants.{tenant}.weight", policy.weight) for tenant, policy in config.tenants.items()]:
         if not weight > 0:
             raise ValueError(f"--qos-config {path}: {name} must be a positive number, got {weight}")
     return config
+
+
+def _check_classes(path: str, config: QoSConfig) -> None:
+    for name, cls in config.classes.items():
+        if cls.ttft_p99 is None and cls.tpot_p99 is None:
+            raise ValueError(f"--qos-config {path}: classes.{name} has no target (ttft_p99 or tpot_p99)")
+        for field, value in (("ttft_p99", cls.ttft_p99), ("tpot_p99", cls.tpot_p99)):
+            if value is not None and not value > 0:
+                raise ValueError(f"--qos-config {path}: classes.{name}.{field} must be a positive number of "
+                                 f"seconds, got {value}")
+        if cls.on_miss not in (SHED, QUEUE):
+            raise ValueError(f"--qos-config {path}: classes.{name}.on_miss must be {SHED} or {QUEUE}, "
+                             f"got {cls.on_miss!r}")
+        if cls.on_miss == SHED and cls.ttft_p99 is None:
+            raise ValueError(f"--qos-config {path}: classes.{name} sheds (on_miss: shed) but has no ttft_p99")
+    named = [("default_class", config.default_class)]
+    for tenant, policy in config.tenants.items():
+        named.append((f"tenants.{tenant}.default_class", policy.default_class))
+        named += [(f"tenants.{tenant}.classes", name) for name in policy.classes or ()]
+    for field, name in named:
+        if name is not None and name not in config.classes:
+            raise ValueError(f"--qos-config {path}: {field} names class {name!r}, which is not in classes")

@@ -44,9 +44,11 @@ from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.fair_share import VirtualTokenCounters
 from kvserve.sched.priority import priority_key
-from kvserve.sched.qos_config import load_qos_config
+from kvserve.sched.qos_classes import ClassLatency
+from kvserve.sched.qos_config import SHED, load_qos_config
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
-from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets
+from kvserve.sched.slo import (TTFT_MARGIN, EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets,
+                               first_token_delay_s)
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
 from kvserve.stats import SchedulerStats
 
@@ -56,6 +58,10 @@ CACHE_AWARE_WINDOW = 64
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the model or the KV cache): rejected at admission."""
+
+
+class RequestForbidden(RequestRejected):
+    """A request that asks for what its tenant may not use (a request class): HTTP 403."""
 
 
 class SchedulerStalled(RuntimeError):
@@ -84,11 +90,21 @@ class Scheduler:
         # immediately force a running request out.
         self._admission_watermark_blocks = max(1, kv_manager.num_blocks // 100)
         # Fair share between tenants (kvserve/sched/fair_share.py); the config is checked here, at start.
-        qos = load_qos_config(config.qos_config)
+        self.qos = qos = load_qos_config(config.qos_config)
         self.fair: Optional[VirtualTokenCounters] = (VirtualTokenCounters(qos) if config.scheduling_policy == "fair"
                                                      else None)
+        # Request classes (kvserve/sched/qos_classes.py) run at their priority: they need its order.
+        self.classes: Optional[ClassLatency] = None
+        if qos.classes:
+            if config.scheduling_policy != "priority":
+                raise ValueError(f"--qos-config {config.qos_config} defines request classes, which run at their "
+                                 f"priority: they need --scheduling-policy priority (not {config.scheduling_policy})")
+            self.classes = ClassLatency(qos.classes)
         targets = SLOTargets(config.slo_ttft, config.slo_tpot, config.slo_shed)
-        self.slo: Optional[SLOController] = SLOController(targets, config.max_num_seqs) if targets.enabled else None
+        # The latency controller also when only classes have targets: their shedding simulates the
+        # steps ahead with its step-cost model.
+        self.slo: Optional[SLOController] = (SLOController(targets, config.max_num_seqs)
+                                             if targets.enabled or self.classes is not None else None)
 
     # --- admission ----------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -112,22 +128,40 @@ class Scheduler:
                 f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
 
     def check_overload(self, prompt_token_ids: list[int], max_tokens: int, num_requests: int = 1,
-                       arrival_time: Optional[float] = None, namespace: str = "") -> None:
-        """With TTFT shedding: raises RequestOverloaded if these requests (n samples of one prompt, in
-        the prefix-cache namespace given) could not get their first token within the target, queued
-        behind what the engine holds."""
-        if self.slo is None or self.slo.shed_deadline_s() is None:
+                       arrival_time: Optional[float] = None, namespace: str = "",
+                       qos_class: Optional[str] = None) -> None:
+        """With TTFT shedding (the server's, or that of the request's class): raises RequestOverloaded
+        if these requests (n samples of one prompt, in the prefix-cache namespace given) could not
+        get their first token within the target, queued behind what the engine holds (for a
+        class: behind the requests of its class and the classes above it)."""
+        cls = self.qos.classes.get(qos_class) if qos_class is not None else None
+        class_sheds = cls is not None and cls.on_miss == SHED
+        if self.slo is None or (self.slo.shed_deadline_s() is None and not class_sheds):
             return
         uncached = len(prompt_token_ids) - self.kv_manager.peek_cached_tokens(prompt_token_ids, namespace)
         new = [PendingWork(max(1, uncached), max_tokens)] * num_requests
         waited = 0.0 if arrival_time is None else max(0.0, time.monotonic() - arrival_time)
-        reason = self.slo.reject_at_arrival(self.make_load(), new, waited)
-        if reason is not None:
-            self.slo.num_rejected_at_arrival += 1
-            raise RequestOverloaded(reason)
+        if self.slo.shed_deadline_s() is not None:
+            reason = self.slo.reject_at_arrival(self.make_load(), new, waited)
+            if reason is not None:
+                self.slo.num_rejected_at_arrival += 1
+                if cls is not None:
+                    self.classes.observe_shed(qos_class)
+                raise RequestOverloaded(reason)
+        if class_sheds:
+            deadline = cls.ttft_p99 * TTFT_MARGIN
+            load = self.make_load(ahead_of_priority=cls.priority)
+            delay = first_token_delay_s(load, new, horizon_s=deadline - waited)
+            if waited + delay > deadline:
+                self.classes.observe_shed(qos_class)
+                raise RequestOverloaded(
+                    f"server overloaded for class {qos_class!r}: the first token would come after "
+                    f"~{waited + delay:.1f} s ({len(load.waiting)} requests of this class or above queued, "
+                    f"{len(load.running)} running), over its {cls.ttft_p99:g} s p99 TTFT target; retry later")
 
-    def make_load(self) -> EngineLoad:
-        """The running and waiting requests as the latency simulation needs them (slo.py)."""
+    def make_load(self, ahead_of_priority: Optional[int] = None) -> EngineLoad:
+        """The running and waiting requests as the latency simulation needs them (slo.py); with
+        `ahead_of_priority`, only the waiting ones a request of that priority cannot overtake."""
         def work(request: Request) -> PendingWork:
             left = request.num_tokens - request.num_computed_tokens
             if request.num_computed_tokens == 0:
@@ -136,7 +170,9 @@ class Scheduler:
             return PendingWork(left if left > 1 else 0, outputs_left)
 
         slo = self.slo
-        return EngineLoad(running=tuple(work(r) for r in self.running), waiting=tuple(work(r) for r in self.waiting),
+        waiting = self.waiting if ahead_of_priority is None else (
+            r for r in self.waiting if r.priority <= ahead_of_priority)
+        return EngineLoad(running=tuple(work(r) for r in self.running), waiting=tuple(work(r) for r in waiting),
                           token_budget=self.config.max_num_batched_tokens,
                           max_running=slo.expected_max_running() if slo is not None else self._max_running,
                           max_step_s=slo.max_step_s if slo is not None and self._caps_step_length else None,
@@ -273,7 +309,7 @@ class Scheduler:
                 continue
             break
 
-        if self.slo is not None and self.slo.targets.shed:
+        if self.slo is not None and (self.slo.targets.shed or self.classes is not None):
             self._shed_late(out)
         # New work only when nothing was preempted for blocks this step: otherwise it would take
         # the blocks the preempted requests need to come back. (Preempted for priority, they make
@@ -315,11 +351,22 @@ class Scheduler:
                 if request.first_scheduled_time is None
                 and self.slo.missed_deadline(request.arrival_time,
                                              max(1, request.num_prompt_tokens - request.expected_cached_tokens),
-                                             num_decoding, budget, now)]
+                                             num_decoding, budget, now, self._shed_deadline(request))]
         for request in late:
             self.finish(request, RequestStatus.FINISHED_REJECTED)
             out.rejected.append(request)
+            if request.qos_class is not None:
+                self.classes.observe_shed(request.qos_class)
         self.slo.num_rejected_in_queue += len(late)
+
+    def _shed_deadline(self, request: Request) -> Optional[float]:
+        """Seconds after arrival by which the request's first token must come, or None (never shed):
+        its class's target when the class sheds, else the server's."""
+        cls = self.qos.classes.get(request.qos_class) if request.qos_class is not None else None
+        if cls is not None and cls.on_miss == SHED:
+            server = self.slo.shed_deadline_s()
+            return min(cls.ttft_p99 * TTFT_MARGIN, server) if server is not None else cls.ttft_p99 * TTFT_MARGIN
+        return self.slo.shed_deadline_s()
 
     def _lookup(self, request: Request) -> Optional[PrefixHit]:
         if (not self.kv_manager.enable_prefix_caching or not request.uses_prefix_cache
@@ -367,6 +414,15 @@ class Scheduler:
             if not queue:
                 del queues[tenant]
 
+    def _classes_held_below(self) -> Optional[int]:
+        """The priority under which admissions wait while a class with work misses a p99 target
+        (kvserve/sched/qos_classes.py), or None."""
+        if self.classes is None:
+            return None
+        with_work = {r.qos_class for r in itertools.chain(self.running, self.waiting, self.loading.values())
+                     if r.qos_class is not None}
+        return self.classes.held_below(with_work) if with_work else None
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
         caching = self.kv_manager.enable_prefix_caching
@@ -374,9 +430,12 @@ class Scheduler:
                 if self._cache_aware and not self._by_priority else [])
         candidates = self._waiting_order()
         admitted: set[str] = set()
+        held_below = self._classes_held_below()
         for request in candidates:
             if budget <= 0 or len(self.running) + len(self.loading) >= self._admission_limit:
                 break
+            if held_below is not None and request.priority > held_below:
+                continue                # a class above misses its p99 target: it gets the room
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             hit = self._lookup(request)
             num_cached = hit.num_tokens if hit is not None else 0
@@ -494,6 +553,9 @@ class Scheduler:
         request.finished_time = time.monotonic()
         if self.slo is not None and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.slo.observe_completion()
+        if request.qos_class is not None and status in (RequestStatus.FINISHED_STOPPED,
+                                                        RequestStatus.FINISHED_LENGTH):
+            self._observe_class_latency(request)
         if request in self.running:
             self.running.remove(request)
         elif self.loading.pop(request.request_id, None) is not None:
@@ -507,6 +569,13 @@ class Scheduler:
                 pass
         self.kv_manager.free(request.request_id)
         self.requests.pop(request.request_id, None)
+
+    def _observe_class_latency(self, request: Request) -> None:
+        first = request.first_token_time
+        ttft = first - request.arrival_time if first is not None else None
+        outputs = len(request.output_token_ids)
+        tpot = (request.finished_time - first) / (outputs - 1) if first is not None and outputs > 1 else None
+        self.classes.observe_finished(request.qos_class, ttft, tpot)
 
     def abort(self, request_id: str) -> bool:
         request = self.requests.get(request_id)
@@ -522,7 +591,8 @@ class Scheduler:
             by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + len(
                 self.kv_manager.block_table(request.request_id))
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.prefetching),
-                              self.num_preemptions_total, latency, len(self.loading), by_tenant)
+                              self.num_preemptions_total, latency, len(self.loading), by_tenant,
+                              self.classes.make_stats() if self.classes is not None else ())
 
     @property
     def is_stalled(self) -> bool:

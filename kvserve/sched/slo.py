@@ -331,9 +331,11 @@ class SLOController:
                 + cost.seconds(num_decoding + last, num_decoding + 1))
 
     def missed_deadline(self, arrival_time: float, num_prompt_tokens: int, num_decoding: int, token_budget: int,
-                        now: float) -> bool:
-        """A waiting request that, scheduled now, would still produce its first token too late."""
-        deadline = self.shed_deadline_s()
+                        now: float, deadline: Optional[float] = None) -> bool:
+        """A waiting request that, scheduled now, would still produce its first token too late
+        (after `deadline` seconds from arrival: by default the server's)."""
+        if deadline is None:
+            deadline = self.shed_deadline_s()
         if deadline is None:
             return False
         return now - arrival_time + self.prefill_seconds(num_prompt_tokens, num_decoding, token_budget) > deadline

@@ -14,7 +14,8 @@ that leave the output unchanged (null always), which pass: SDKs send `tool_choic
 Extension fields beyond OpenAI's: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output (vLLM names), priority / tenant,
 and the prefix-cache fields cache_salt (vLLM's name), pin_ttl and pin_prefix_tokens, and the KV
-compression fields kv_press, kv_keep_ratio, kv_keep_tokens and kv_press_mode (docs/kv_compression.md).
+compression fields kv_press, kv_keep_ratio, kv_keep_tokens and kv_press_mode (docs/kv_compression.md),
+qos_class (docs/qos.md).
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ class _SamplingFields(_Strict):
     kv_press_mode: Optional[Literal["drop", "tier"]] = Field(
         None, description="what the press does with what it would not keep (extension): drop it, or tier it "
                           "(blocks demoted to the host KV tier and brought back when the decode needs them)")
+    qos_class: Optional[str] = Field(None, max_length=64,
+                                     description="request class (extension; --qos-config): its priority and p99 "
+                                                 "latency targets; default: the tenant's class")
 
 
 class CompletionRequest(_SamplingFields):

@@ -34,7 +34,7 @@ from kvserve.engine.client import EngineClient, EngineDeadError, EngineShutdownE
 from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.scheduler import RequestRejected
+from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.sched.slo import RequestOverloaded
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, echo, error_body, from_value_error
@@ -218,7 +218,7 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, kv_press=req.kv_press,
                 kv_keep_ratio=req.kv_keep_ratio, kv_keep_tokens=req.kv_keep_tokens,
-                kv_press_mode=req.kv_press_mode)
+                kv_press_mode=req.kv_press_mode, qos_class=req.qos_class)
         except ValueError as exc:
             raise from_value_error(exc) from None
 
@@ -349,6 +349,9 @@ class OpenAIServing:
         except RequestOverloaded as exc:
             stream.abort()
             raise APIError(503, str(exc), code="overloaded") from None
+        except RequestForbidden as exc:
+            stream.abort()
+            raise APIError(403, str(exc), param="qos_class", code="forbidden") from None
         except RequestRejected as exc:   # the prompt can never run; the message is written for clients
             stream.abort()
             raise from_value_error(exc, "prompt") from None

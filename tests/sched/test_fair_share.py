@@ -72,7 +72,7 @@ def test_fcfs_serves_the_heavy_tenant_first(folder):
 
 
 def test_an_idle_tenant_banks_no_credit():
-    counters = VirtualTokenCounters(QoSConfig({"a": TenantPolicy(2.0)}))
+    counters = VirtualTokenCounters(QoSConfig(tenants={"a": TenantPolicy(2.0)}))
     counters.charge("a", prompt_tokens=100, output_tokens=50)      # 200 weighted tokens / weight 2
     assert counters.counter("a") == 100 and counters.served["a"] == 200
     counters.activate("b", active={"a"})                           # b arrives while a is busy: lifted
