@@ -71,13 +71,10 @@ class Tiering:
         self.scale = scale
         self.clock = 0                          # steps scheduled (see tick)
 
-    def _hot(self, num_positions: int) -> set[int]:
-        """Logical blocks that stay on the GPU: the first, and those of the last `window` tokens."""
-        bs = self.block_size
-        return {0} | set(range(max(0, num_positions - self.window) // bs, -(-num_positions // bs)))
-
-    def _warm_budget(self, keep_blocks: int, region: list[int], hot: set[int]) -> int:
-        return max(0, keep_blocks - sum(1 for b in region if b in hot))
+    def _not_hot(self, region: np.ndarray, num_positions: int) -> np.ndarray:
+        """Which of the full logical blocks `region` may leave the GPU: all but the first and those
+        of the last `window` tokens (hot)."""
+        return (region != 0) & (region < max(0, num_positions - self.window) // self.block_size)
 
     # --- at the prompt's end ------------------------------------------------------------------------
     def start(self, request: "Request", press: "Press", kv_store: "KVCacheStore", kv_manager: "KVCacheManager",
@@ -90,10 +87,10 @@ class Tiering:
         end = request.num_kv_tokens                        # nothing pruned yet: positions == KV indices
         table = kv_manager.block_table(rid)
         first, num_full = protected // bs, end // bs
-        region = list(range(first, num_full))
-        hot = self._hot(end)
-        candidates = [b for b in region if b not in hot]
-        budget = self._warm_budget(-(-keep // bs), region, hot)
+        region = np.arange(first, num_full)
+        not_hot = self._not_hot(region, end)
+        candidates = region[not_hot].tolist()
+        budget = max(0, -(-keep // bs) - int((~not_hot).sum()))
         if len(candidates) <= budget:
             return None
         host_ids = kv_manager.copy_to_host(rid, candidates)
@@ -181,7 +178,7 @@ class Tiering:
             return
         # In arrays over logical blocks: a request has thousands of them, ranked every few steps.
         region = np.arange(state.first_region, num_full)
-        not_hot = (region != 0) & (region < max(0, positions - self.window) // bs)
+        not_hot = self._not_hot(region, positions)
         has_host = np.zeros(len(region), dtype=bool)
         if state.host_of:
             with_copy = np.fromiter(state.host_of, dtype=np.int64, count=len(state.host_of))

@@ -36,18 +36,27 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class _Window:
+    """Samples (time, seconds) of one class and metric; the p99 is kept until the window changes
+    (the scheduler asks every step, a sample comes once per finished request)."""
+
     def __init__(self) -> None:
         self.samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=WINDOW_SAMPLES)
+        self._p99: Optional[float] = None
+        self._fresh = True
 
     def add(self, now: float, value: float) -> None:
         self.samples.append((now, value))
+        self._fresh = False
 
     def p99(self, now: float) -> Optional[float]:
         while self.samples and self.samples[0][0] < now - WINDOW_S:
             self.samples.popleft()
-        if len(self.samples) < MIN_SAMPLES:
-            return None
-        return percentile([value for _, value in self.samples], 0.99)
+            self._fresh = False
+        if not self._fresh:
+            self._p99 = (percentile([value for _, value in self.samples], 0.99)
+                         if len(self.samples) >= MIN_SAMPLES else None)
+            self._fresh = True
+        return self._p99
 
 
 class ClassLatency:

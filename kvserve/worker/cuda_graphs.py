@@ -77,9 +77,9 @@ class DecodeGraphs:
     positions, slots (-1 = padding row, skipped by the store kernel), block tables at the full
     width max_model_len / block_size (only the columns a step needs are refreshed: the kernel never
     reads past a sequence's own blocks) and context lengths (0 = padding row). Steps with prefill
-    chunks, prompt logprobs or a batch over the largest size run eagerly. With `record_queries` the
-    graphs with `query_heads` (the model's query heads; 0: none) also copy every layer's decode
-    queries into `queries` (GraphQueries).
+    chunks, prompt logprobs or a batch over the largest size run eagerly. With `query_heads` (the
+    model's query heads; 0: none) the graphs also copy every layer's decode queries into `queries`
+    (GraphQueries).
     """
 
     def __init__(self, runner: GraphRunner, max_batch_size: int, max_model_len: int,
