@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "are refused here except --kv-scales-file (for the static-scale formats)")
     evalkv.add_argument("--num-segments", type=int, default=4)
     evalkv.add_argument("--segment-len", type=int, default=1024)
+    evalkv.add_argument("--press-prompt-len", type=int, default=None,
+                        help="press and tier formats: each segment's first tokens that form the prompt (pressed at "
+                             "its end), the rest forced through engine steps and scored; the reference is scored "
+                             "the same way beside them (default: 3/4 of --segment-len)")
     evalkv.add_argument("--num-prompts", type=int, default=16)
     evalkv.add_argument("--prompt-len", type=int, default=128)
     evalkv.add_argument("--greedy-tokens", type=int, default=64)
@@ -189,13 +193,16 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_eval_kv(args: argparse.Namespace) -> int:
     import json
-    from kvserve.eval.kv_fidelity import eval_engine_options, read_text, run_eval, select_formats
+    from kvserve.eval.kv_fidelity import (check_press_prompt_len, eval_engine_options, read_text, run_eval,
+                                          select_formats)
     # Each format sets every KV cache option itself; the other engine flags apply to all of them.
     options, scales_file = eval_engine_options(engine_options_from_args(args))
     formats = select_formats([name.strip() for name in args.formats.split(",") if name.strip()], scales_file)
+    if args.press_prompt_len is not None:           # refused before the text and the model load
+        check_press_prompt_len(args.press_prompt_len, args.segment_len)
     result = run_eval(read_text(args.text), options, formats,
                       args.num_segments, args.segment_len, args.num_prompts, args.prompt_len, args.greedy_tokens,
-                      args.passkey_len, [0.1, 0.5, 0.9])
+                      args.passkey_len, [0.1, 0.5, 0.9], press_prompt_len=args.press_prompt_len)
     result["command"] = "kvserve " + shlex.join(args.argv)
     if args.json:
         with open(args.json, "w") as fh:

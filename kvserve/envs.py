@@ -3,7 +3,7 @@
 Values are read when asked for, not at import, so that tests and child processes can set them.
 Configuration belongs in the dataclasses of kvserve/config.py (one flag per field); these are the
 few switches that must work before any configuration exists (where to cache, whether to compile)
-or that a kernel reads at launch, plus the server's key kept out of the command line.
+or that a kernel reads at launch, plus the server's keys kept out of the command line.
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ KVSERVE_DISABLE_CPU_KERNELS = EnvVar("KVSERVE_DISABLE_CPU_KERNELS", "0",
 KVSERVE_HUGE_PAGES = EnvVar("KVSERVE_HUGE_PAGES", "1", "0: do not back packed CPU weights with transparent huge pages")
 KVSERVE_PDL = EnvVar("KVSERVE_PDL", "1", "0: launch the Triton kernels without programmatic dependent launch")
 KVSERVE_API_KEY = EnvVar("KVSERVE_API_KEY", "", "the server's API key when --api-key is not given")
+KVSERVE_ADMIN_API_KEY = EnvVar("KVSERVE_ADMIN_API_KEY", "",
+                               "the server's admin key (GET /v1/usage) when --admin-api-key is not given")
 CC = EnvVar("CC", "", "the C compiler for the CPU kernels (default: cc, then gcc)")
 TRITON_INTERPRET = EnvVar("TRITON_INTERPRET", "0", "Triton's own: 1 runs kernels in its CPU interpreter (tests)")
 PROMETHEUS_MULTIPROC_DIR = EnvVar("PROMETHEUS_MULTIPROC_DIR", "",
                                   "prometheus_client's own; `kvserve serve --api-server-count N` sets it for its "
                                   "front ends (their request metrics are summed there)")
 
-ALL = (KVSERVE_CACHE_DIR, KVSERVE_DISABLE_CPU_KERNELS, KVSERVE_HUGE_PAGES, KVSERVE_PDL, KVSERVE_API_KEY, CC,
-       TRITON_INTERPRET, PROMETHEUS_MULTIPROC_DIR)
+ALL = (KVSERVE_CACHE_DIR, KVSERVE_DISABLE_CPU_KERNELS, KVSERVE_HUGE_PAGES, KVSERVE_PDL, KVSERVE_API_KEY,
+       KVSERVE_ADMIN_API_KEY, CC, TRITON_INTERPRET, PROMETHEUS_MULTIPROC_DIR)
 
 
 def cache_dir() -> str:

@@ -170,6 +170,45 @@ class ClassLatencyStats:
 
 
 @dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's requests that have left the engine, since start (Engine.make_stats; the tenant
+    None: requests without one). Counted per request, as its response's usage reports it."""
+    requests: dict[str, int] = field(default_factory=dict)   # by finish reason
+    prompt_tokens: int = 0          # once per request: its samples share the prompt
+    cached_prompt_tokens: int = 0   # of those, whose KV came from the prefix cache or a KV tier
+    generation_tokens: int = 0      # summed over the request's samples, as the engine generated them
+
+    def plus(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int,
+             generation_tokens: int) -> "TenantUsage":
+        """These totals with one more request that left for `reason`."""
+        return TenantUsage({**self.requests, reason: self.requests.get(reason, 0) + 1},
+                           self.prompt_tokens + prompt_tokens, self.cached_prompt_tokens + cached_prompt_tokens,
+                           self.generation_tokens + generation_tokens)
+
+    def merged(self, other: "TenantUsage") -> "TenantUsage":
+        """Both tenants' totals in one (tenants that share a metrics label)."""
+        requests = dict(self.requests)
+        for reason, count in other.requests.items():
+            requests[reason] = requests.get(reason, 0) + count
+        return TenantUsage(requests, self.prompt_tokens + other.prompt_tokens,
+                           self.cached_prompt_tokens + other.cached_prompt_tokens,
+                           self.generation_tokens + other.generation_tokens)
+
+
+def tenant_sort_key(tenant: Optional[str]) -> tuple[bool, str]:
+    """Per-tenant listings' order: no tenant first, then by name."""
+    return tenant is not None, tenant or ""
+
+
+@dataclass(frozen=True)
+class TenantShareStats:
+    """One tenant's fair-share state (--scheduling-policy fair; sched/fair_share.py)."""
+    weight: float
+    counter: float     # the virtual token counter: served over the weight, lifted when it comes back from idle
+    served: float      # weighted tokens served: a prompt token 1, a generated token 2
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -207,3 +246,5 @@ class EngineStats:
     expert_load: Optional[ExpertLoadStats] = None     # None: a model without MoE layers
     presses: tuple[PressStats, ...] = ()              # one per press that has run
     decode_kv_bytes_total: int = 0                    # KV bytes decode attention read (engine.EngineCounters)
+    tenant_usage: dict[Optional[str], TenantUsage] = field(default_factory=dict)   # per tenant seen since start
+    fair_share: Optional[dict[Optional[str], TenantShareStats]] = None   # None: not the fair policy

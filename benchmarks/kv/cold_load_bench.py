@@ -14,7 +14,9 @@ Every prefix is new to the engine that measures it (its own random tokens per re
 hit case records the tokens each tier supplied (none where the engine judged the read slower than
 recomputing, from its measured read and prefill rates). The fill engine waits for its writes after each
 prefix (a server writes them down between requests). The bandwidth is the tiers' own read of one
-prefix's blocks (chunks on several threads, verified), the disk's files evicted from the page cache first.
+prefix's blocks (chunks on several threads, verified), the disk's files evicted from the page cache first,
+next to the storage's own rate for the same bytes (benchmarks/kv/raw_reads.py: the block files and one
+large file read plainly, out of the page cache; the same volume of values read from Redis with MGETs).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+from benchmarks.kv import raw_reads  # noqa: E402
 from benchmarks.kv.page_cache import block_files, evict_page_cache  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.config import _parse_bytes  # noqa: E402
@@ -125,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "disk":
                     evict_page_cache(block_files(disk))
                 results[f"{name}_read"] = _read_bandwidth(llm, identities)
+                # The storage's own rate for the same bytes, with no format or checks (raw_reads.py).
+                prefix_bytes = results[f"{name}_read"]["bytes"]
+                if name == "disk":
+                    results["disk_raw"] = {"files": raw_reads.read_files(block_files(disk)),
+                                           "sequential": raw_reads.read_sequential(disk, prefix_bytes)}
+                else:
+                    results["remote_raw"] = raw_reads.read_redis(redis.url, prefix_bytes // max(1, len(identities)),
+                                                                 prefix_bytes)
                 times, hits = [], []
                 for prompt in prompts:
                     if name == "disk":
@@ -147,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("disk", "remote"):
         if f"{name}_read" in results:
             print(f"{name} read: {results[f'{name}_read']}")
+            print(f"{name} raw: {results.get(f'{name}_raw')}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

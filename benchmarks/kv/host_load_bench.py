@@ -56,6 +56,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip-ttft", action="store_true", help="only part 2 (decode steps under loads)")
     parser.add_argument("--profile", default=None,
                         help="part 2: a Chrome trace (torch.profiler) of the first phase with loads, to this file")
+    parser.add_argument("--profile-ttft", action="store_true",
+                        help="part 1: the host's time in one more from-host TTFT run, by function (cProfile), printed")
     add_engine_args(parser)
     args = parser.parse_args(argv)
 
@@ -102,6 +104,8 @@ def _ttft(engine, args, prompt, capacity, one, results) -> None:
         gpu.append(_run_alone(engine, target, one))
         print(f"ttft cold {cold[-1] * 1e3:8.1f} ms  from host {host[-1] * 1e3:7.1f} ms ({loaded} tokens loaded)  "
               f"gpu hit {gpu[-1] * 1e3:6.1f} ms")
+    if args.profile_ttft:
+        _profile_from_host(engine, args, prompt, capacity, one)
     transfers = engine.make_stats().kv_cache.transfers
     results["ttft"] = {"prefix_tokens": args.prefix_tokens, "cold_s": statistics.median(cold),
                        "from_host_s": statistics.median(host), "gpu_hit_s": statistics.median(gpu),
@@ -112,6 +116,22 @@ def _ttft(engine, args, prompt, capacity, one, results) -> None:
                        "runs": {"cold_s": cold, "from_host_s": host, "gpu_hit_s": gpu}}
     results["ttft"]["load_GB_per_s"] = results["ttft"]["prefix_bytes"] / results["ttft"]["mean_load_s"] / 1e9
     print(json.dumps(results["ttft"]))
+
+
+def _profile_from_host(engine, args, prompt, capacity, one) -> None:
+    """Where the host's time goes in a from-host TTFT: which Python work precedes the copy and
+    follows it (a profile slows it, so this run is not one of the measured ones)."""
+    import cProfile
+    import pstats
+    target = prompt(args.prefix_tokens + 1)
+    _run_alone(engine, target, one)
+    _run_alone(engine, prompt(capacity - 64), one)
+    profile = cProfile.Profile()
+    profile.enable()
+    seconds = _run_alone(engine, target, one)
+    profile.disable()
+    print(f"profiled from-host TTFT: {seconds * 1e3:.1f} ms")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
 
 def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -27,8 +26,9 @@ from typing import Any, Optional
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.serving.serve_bench import (RequestResult, finish_result, machine_info, make_requests,  # noqa: E402
-                                            record_sse_line, start_server, wait_healthy)
+from benchmarks.serving.serve_bench import (RequestResult, add_overload_args, finish_result,  # noqa: E402
+                                            machine_info, make_requests, record_sse_line, serve_on_free_port,
+                                            split_serve_args, stop_server)
 from kvserve.eval.timing import now  # noqa: E402
 
 DEFAULT_CLASSES = {"gold": {"priority": 0, "ttft_p99": 1.5, "tpot_p99": 0.25, "on_miss": "shed"},
@@ -84,9 +84,11 @@ def _summary(plan: list[tuple[float, str, int, str]], results: list[RequestResul
         served = [r for r in mine if r.error is None]
         within = [r for r in served if r.ttft <= cls["ttft_p99"]
                   and (cls.get("tpot_p99") is None or r.tpot is None or r.tpot <= cls["tpot_p99"])]
-        out[name] = {"requests": len(mine), "served": len(served), "shed_503": sum(
-                         1 for r in mine if r.error == "HTTP 503"),
-                     "other_errors": sum(1 for r in mine if r.error not in (None, "HTTP 503")),
+        # Shed: a 503 at arrival, or an "overloaded" error in the stream (shed in the queue).
+        shed = [r for r in mine if r.error == "HTTP 503" or (r.error or "").startswith("server overloaded")]
+        others = [r for r in mine if r.error is not None and r not in shed]
+        out[name] = {"requests": len(mine), "served": len(served), "shed_503": len(shed),
+                     "other_errors": len(others), "other_error_kinds": sorted({r.error for r in others}),
                      "within_targets": round(len(within) / len(mine), 4) if mine else None,
                      "ttft_p99_s": _p99([r.ttft for r in served]),
                      "tpot_p99_s": _p99([r.tpot for r in served if r.tpot is not None]),
@@ -94,42 +96,12 @@ def _summary(plan: list[tuple[float, str, int, str]], results: list[RequestResul
     return out
 
 
-def _serve(serve_args: list[str], log_path: str, timeout: float):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(serve_args, port, log_path)
-    wait_healthy(url, proc, timeout)
-    model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    return proc, url, model
-
-
-def _stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except Exception:
-        proc.kill()
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    serve_extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, serve_extra = split_serve_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
-    parser.add_argument("--overload", type=float, default=2.0, help="arrival rate over the measured capacity")
-    parser.add_argument("--capacity", type=float, default=None, help="requests/s; default: measured")
-    parser.add_argument("--capacity-burst", type=int, default=48)
+    add_overload_args(parser, 2.0, "arrival rate over the measured capacity")
     parser.add_argument("--mix", default="gold:0.1,silver:0.3,bronze:0.6")
     parser.add_argument("--classes", default=None, help="a JSON file of classes (default: the ones in this script)")
-    parser.add_argument("--min-tokens", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     classes = DEFAULT_CLASSES
     if args.classes:
@@ -147,7 +119,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "policies": {}}
     capacity = args.capacity
     for policy, flags in policies.items():
-        proc, url, model = _serve(flags + serve_extra, os.path.join(workdir, f"{policy}.log"), args.startup_timeout)
+        proc, url, model = serve_on_free_port(flags + serve_extra, os.path.join(workdir, f"{policy}.log"),
+                                              args.startup_timeout)
         try:
             warm = make_requests(1.0, 2, args.min_tokens, args.max_tokens, args.seed + 1)
             asyncio.run(_send(url, model, [(0.0, p, m, mix[-1][0]) for _, p, m in warm], False, args.request_timeout))
@@ -172,7 +145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                            "seconds": round(now() - started, 1), "classes": summary}
             print(policy, json.dumps(summary))
         finally:
-            _stop(proc)
+            stop_server(proc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -627,6 +627,56 @@ def start_server(serve_args: list[str], port: int, log_path: str) -> subprocess.
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def split_serve_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the benchmark's own arguments, the `kvserve serve` flags after `--`)."""
+    if "--" not in argv:
+        return list(argv), []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1:]
+
+
+def add_overload_args(parser: argparse.ArgumentParser, overload: float, overload_help: str) -> None:
+    """The flags the overload benchmarks share (qos_classes_bench, fairness_bench): a Poisson trace
+    of --duration at --overload times the capacity, measured from a burst unless given."""
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--overload", type=float, default=overload, help=overload_help)
+    parser.add_argument("--capacity", type=float, default=None, help="requests/s; default: measured")
+    parser.add_argument("--capacity-burst", type=int, default=48)
+    parser.add_argument("--min-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--json", default=None)
+
+
+def serve_on_free_port(serve_args: list[str], log_path: str, timeout: float,
+                       headers: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str, str]:
+    """`kvserve serve` with these flags on a free loopback port, once healthy: (process, url, the
+    model name /v1/models lists first; `headers` carry the API key when the flags set keys)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(serve_args, port, log_path)
+    try:
+        wait_healthy(url, proc, timeout)
+        model = httpx.get(url + "/v1/models", headers=headers or {}, timeout=10).json()["data"][0]["id"]
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, url, model
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def server_processes(server_pid: int) -> dict[str, int]:
     """The local server's processes by role: "server" (the launcher, which is also the front end with
     one API server), "core" (the engine core) and "front-end-N" (more API servers): the spawned
@@ -735,11 +785,7 @@ def _percent(fraction: Optional[float]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    serve_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, serve_args = argv[:split], argv[split + 1:]
+    argv, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="a running server; default: start `kvserve serve` "
                                                     "with the flags after `--`")

@@ -325,6 +325,7 @@ class AsyncEngine:
             return
         self._num_steps += 1
         deliveries = []
+        any_finished = False
         for output in outputs:
             record = self._records.get(output.request_id)
             if record is None:
@@ -332,16 +333,21 @@ class AsyncEngine:
             record.last_output = output
             deliveries.append((record.stream, output.request_id, output))
             if output.finished:
+                any_finished = True
                 del self._records[output.request_id]
                 reason = output.outputs[0].finish_reason if output.outputs else None
                 self._report_finished(record, reason or "stop")
+        if any_finished:
+            # Ahead of the outputs, as the core process does: a client that reads /metrics or
+            # /v1/usage after its answer sees its request counted.
+            self._publish_snapshot()
         self._deliver(deliveries)
 
     def _fail_records(self, error: BaseException, reason: str) -> None:
         records = list(self._records.values())
         self._records.clear()
         for record in records:
-            self._safe_abort(record.request_id)
+            self._safe_abort(record.request_id, reason)
             self._report_finished(record, reason)
         self._deliver([(record.stream, record.request_id, error) for record in records])
 
@@ -356,9 +362,9 @@ class AsyncEngine:
                 command[-1].set_exception(error)
         self._fail_records(error, "abort")
 
-    def _safe_abort(self, request_id: str) -> None:
+    def _safe_abort(self, request_id: str, reason: str = "abort") -> None:
         try:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, reason)
         except Exception:
             logger.exception("engine.abort(%s) failed", request_id)
 

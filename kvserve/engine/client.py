@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Protocol
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import (ClassLatencyStats, ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats,
-                           PrefixCacheStats, PressStats, StepCoefficients, TransferStats)
+                           PrefixCacheStats, PressStats, StepCoefficients, TenantShareStats, TenantUsage,
+                           TransferStats)
 
 
 class EngineShutdownError(RuntimeError):
@@ -65,6 +66,10 @@ class EngineSnapshot:
     presses: tuple[PressStats, ...] = ()              # KV presses that have run (docs/kv_compression.md)
     kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)   # running + loading requests'
     qos_classes: tuple[ClassLatencyStats, ...] = ()   # request classes (--qos-config; docs/qos.md)
+    # Per tenant: requests that left the engine and their tokens; the fair policy's counters (None:
+    # another policy). /metrics and the operator's /v1/usage read these.
+    tenant_usage: dict[Optional[str], TenantUsage] = field(default_factory=dict)
+    fair_share: Optional[dict[Optional[str], TenantShareStats]] = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -94,7 +99,8 @@ class EngineSnapshot:
                    kv_transfers=kv.transfers, kv_cold=kv.cold, kv_cold_hit_tokens=dict(kv.cold_hit_tokens),
                    kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
                    presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total,
-                   kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), qos_classes=tuple(sched.classes), **latency)
+                   kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), qos_classes=tuple(sched.classes),
+                   tenant_usage=dict(stats.tenant_usage), fair_share=stats.fair_share, **latency)
 
 
 @dataclass

@@ -221,9 +221,9 @@ class EngineCore:
         frontend.requests.add(add.request_id)
         self._send(frontend, msg.AddResult(add.request_id))
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
         try:
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, reason)
         except Exception:
             logger.exception("engine core: abort(%s) failed", request_id)
         self._forget(request_id)
@@ -236,12 +236,13 @@ class EngineCore:
 
     def _abort_all(self, kind: str, why: str) -> None:
         """Every request ends with an error (`kind`, in words `why`; its front end raises it), and
-        its blocks are freed."""
+        its blocks are freed. A failed step's requests count as errors, a shutdown's as aborted."""
+        reason = "error" if kind == "step_failed" else "abort"
         by_frontend: dict[bytes, list[msg.RequestDelta]] = {}
         for request_id, frontend in list(self._owner.items()):
             by_frontend.setdefault(frontend.identity, []).append(
                 msg.RequestDelta(request_id, [], True, (0.0, None, None, None, 0), error_kind=kind, error=why))
-            self._abort(request_id)
+            self._abort(request_id, reason)
         for identity, deltas in by_frontend.items():
             frontend = self._frontends.get(identity)
             if frontend is not None:

@@ -28,7 +28,7 @@ from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.qos_config import QoSClassForbidden
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
-from kvserve.stats import EngineStats, ExpertLoadStats
+from kvserve.stats import EngineStats, ExpertLoadStats, TenantUsage
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.memory_pressure import HostTierSizer, PressureMonitor
 from kvserve.kvcache.manager import KVCacheManager
@@ -58,6 +58,9 @@ class EngineCounters:
     # KV bytes the decode attention read: each decoding request's KV length (pressed or tiered
     # KV is shorter) times the bytes a token takes in its format, summed over steps.
     decode_kv_bytes_total: int = 0
+    # Per tenant, the requests that left (the operator's usage summary and the per-tenant series of
+    # /metrics both read these): one entry per tenant seen since start.
+    tenant_usage: dict[Optional[str], TenantUsage] = field(default_factory=dict)
 
 
 @dataclass
@@ -305,7 +308,7 @@ class Engine:
                     params: Optional[SamplingParams] = None, *, tenant: Optional[str] = None,
                     cache_salt: Optional[str] = None, pin_ttl: Optional[float] = None,
                     pin_prefix_tokens: Optional[int] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, forced_token_ids: Optional[list[int]] = None) -> str:
         """Queues a request (n samples); raises RequestRejected if it can never run, RequestOverloaded
         if latency targets shed it. tenant / cache_salt choose the prefix-cache namespace; pin_ttl pins
         the prompt's first pin_prefix_tokens (default all) for that many seconds (see CacheOptions).
@@ -313,7 +316,10 @@ class Engine:
         targets and metrics count from there. priority: with --scheduling-policy priority, lower
         goes first (kvserve/sched/priority.py); ignored by fcfs. A request in a class
         (params.qos_class, or its tenant's default; --qos-config) runs at its class's priority and
-        is held to its targets; RequestForbidden for a class its tenant may not use."""
+        is held to its targets; RequestForbidden for a class its tenant may not use.
+        forced_token_ids (internal, for evaluation: kvserve/eval/forced_decoding.py; no API field):
+        teacher forcing, each output token is the given one and its logprob under the model is
+        recorded; one sample, max_tokens equal to their number."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestRejected(f"priority must be an integer, got {priority!r}")
@@ -336,6 +342,8 @@ class Engine:
         if prompt_ids and not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
             raise RequestRejected(f"prompt token ids must lie in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        if forced_token_ids is not None:
+            self._check_forced(forced_token_ids, params, max_tokens, vocab)
         self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
         self.scheduler.check_overload(prompt_ids, max(max_tokens, 1), params.n, arrival_time, namespace, qos_class)
@@ -358,6 +366,8 @@ class Engine:
             child.qos_class = qos_class
             child.set_cache_namespace(namespace)
             child.press = self.press.plan_for(child_params)
+            if forced_token_ids is not None:
+                child.forced_token_ids = [int(t) for t in forced_token_ids]
             if child.press is not None:
                 child.publish_limit = 0          # until its press says which blocks it left intact
                 child.press_stop = child.num_prompt_tokens
@@ -375,13 +385,26 @@ class Engine:
         self.stats.prompt_tokens_total += len(prompt_ids) * len(children)
         return request_id
 
+    @staticmethod
+    def _check_forced(forced: list[int], params: SamplingParams, max_tokens: int, vocab: int) -> None:
+        """Teacher forcing needs one sample whose every output is forced, with ids the model has."""
+        if params.n != 1:
+            raise RequestRejected(f"forced_token_ids needs n = 1, got n = {params.n}")
+        if len(forced) != max_tokens:
+            raise RequestRejected(f"forced_token_ids has {len(forced)} tokens; max_tokens must be as many, "
+                                  f"got {max_tokens}")
+        if forced and not 0 <= min(forced) <= max(forced) < vocab:
+            raise RequestRejected(f"forced_token_ids must lie in [0, {vocab})")
+
     def estimate_cached_prompt_tokens(self, prompt_token_ids: list[int], tenant: Optional[str] = None,
                                       cache_salt: Optional[str] = None) -> int:
         """Prompt tokens the prefix cache holds now, for admission estimates. The one Engine method
         other threads may call while the engine thread runs: it only reads (PrefixCache.peek)."""
         return self.kv_manager.peek_cached_tokens(prompt_token_ids, self.prefix.namespace(tenant, cache_salt))
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Ends a request and frees its blocks; `reason` is what it is counted as ("error" when a
+        failed step took it with it)."""
         group = self._groups.pop(request_id, None)
         if group is None:
             return False
@@ -390,7 +413,8 @@ class Engine:
             self._child_to_group.pop(child.request_id, None)
             if self.cold is not None:
                 self.cold.forget(child.request_id)
-        self._count_finished("abort", len(group.children))
+        self._count_finished(reason, len(group.children))
+        self._count_tenant_usage(group, reason)
         return True
 
     def finish_sample(self, request_id: str, index: int, stop_reason: str) -> bool:
@@ -414,6 +438,7 @@ class Engine:
         for child in group.children:
             self._child_to_group.pop(child.request_id, None)
             self._count_finished(child.finish_reason or "abort", 1)
+        self._count_tenant_usage(group, group.children[0].finish_reason or "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -576,6 +601,7 @@ class Engine:
                 self.scheduler.finish(child, RequestStatus.FINISHED_REJECTED)
                 self._child_to_group.pop(child.request_id, None)
             self._count_finished(RequestStatus.FINISHED_REJECTED.value, len(group.children))
+            self._count_tenant_usage(group, RequestStatus.FINISHED_REJECTED.value)
             outputs.append(self._make_output(group))
         return outputs
 
@@ -641,6 +667,15 @@ class Engine:
         totals = self.stats.requests_finished_total
         totals[reason] = totals.get(reason, 0) + count
 
+    def _count_tenant_usage(self, group: _Group, reason: str) -> None:
+        """A request leaving, in its tenant's totals: by the first sample's reason and with the
+        prompt once, as the response reports them."""
+        first = group.children[0]
+        usage = self.stats.tenant_usage
+        usage[first.tenant] = usage.get(first.tenant, TenantUsage()).plus(
+            reason, len(group.prompt_token_ids), first.num_cached_tokens or 0,
+            sum(len(child.output_token_ids) for child in group.children))
+
     def _make_output(self, group: _Group) -> RequestOutput:
         completions = []
         for index, (child, detok) in enumerate(zip(group.children, group.detokenizers)):
@@ -683,10 +718,14 @@ class Engine:
                                            cold_writes_dropped=self.cold.tiers.writes_dropped,
                                            cold_hit_tokens=dict(self.cold.hit_tokens),
                                            cold_prefetches=self.cold.prefetch_outcomes())
+        fair = self.scheduler.fair
+        # tenant_usage's values are frozen: a copy of the dict is a copy of the totals.
         return EngineStats(self.scheduler.make_stats(), kv_stats, counters.prompt_tokens_total,
                            counters.generation_tokens_total, dict(counters.requests_finished_total),
                            prefix_cache=prefix_stats, expert_load=self._expert_load_stats(),
-                           presses=self.press.make_stats(), decode_kv_bytes_total=counters.decode_kv_bytes_total)
+                           presses=self.press.make_stats(), decode_kv_bytes_total=counters.decode_kv_bytes_total,
+                           tenant_usage=dict(counters.tenant_usage),
+                           fair_share=fair.make_stats() if fair is not None else None)
 
     # The expert load make_stats last read, and when (monotonic seconds): see _expert_load_stats.
     _expert_load_read: Optional[ExpertLoadStats] = None

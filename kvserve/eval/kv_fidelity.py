@@ -7,6 +7,10 @@ token reads it back dequantized.
 
 - perplexity: the text is cut into `num_segments` segments of `segment_len` tokens that decode
   side by side (one batch row each); each step feeds one true token per row and scores the next.
+- continuation perplexity (the press and tier formats, and the reference beside them): each
+  segment's first `press_prompt_len` tokens are an engine request's prompt, pressed at its end as
+  any request is, and the rest is forced token by token through engine steps
+  (kvserve/eval/forced_decoding.py), so the presses run; only the continuation is scored.
 - greedy agreement: prompts taken from the text, `max_tokens` greedy tokens through the engine
   (chunked prefill + decode), compared token by token with the full-precision run; the first
   divergence is the index of the first differing token (max_tokens when none differs).
@@ -122,28 +126,59 @@ def _forward_last_tokens(runner, items: list[ScheduledRequest], tables: dict[str
     return runner.model.compute_logits(hidden[rows]).float().cpu()
 
 
+def perplexity_from_nll(nll: torch.Tensor, seconds: float) -> PerplexityResult:
+    """nll: [segments, tokens scored per segment] (the negative logprob of each scored token)."""
+    nll = nll.double()
+    mean = float(nll.mean())
+    return PerplexityResult(math.exp(mean), mean, nll.numel(), seconds, [float(x) for x in nll.mean(1)])
+
+
 @torch.inference_mode()
 def decode_perplexity(engine, segments: list[list[int]]) -> PerplexityResult:
     """Feeds each segment one token per step through engine.runner (the real store + paged decode
     path); scores token t+1 from the logits after token t. Block tables are private to this run
     (see _private_tables)."""
+    started = time.perf_counter()
+    return perplexity_from_nll(decode_nll(engine, segments), time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def decode_nll(engine, segments: list[list[int]]) -> torch.Tensor:
+    """decode_perplexity's per-token NLLs, [segments, segment_len - 1] float64: entry t is token
+    t + 1's, from the logits after token t."""
     runner = engine.runner
     length = len(segments[0])
     requests = _running_requests(segments, "ppl")
     tables = {request.request_id: table
               for request, table in zip(requests, _private_tables(engine, [length] * len(segments)))}
     targets = torch.tensor(segments, dtype=torch.long)
-    nll = torch.zeros(len(segments), dtype=torch.float64)
-    started = time.perf_counter()
+    nll = torch.zeros(len(segments), length - 1, dtype=torch.float64)
     for position in range(length - 1):
         logits = _forward_last_tokens(runner, [ScheduledRequest(request, 1) for request in requests], tables)
         logprobs = torch.log_softmax(logits, dim=-1)
-        nll -= logprobs.gather(1, targets[:, position + 1:position + 2]).squeeze(1).double()
+        nll[:, position] = -logprobs.gather(1, targets[:, position + 1:position + 2]).squeeze(1).double()
     _release(engine, requests)
-    scored = len(segments) * (length - 1)
-    mean = float(nll.sum() / scored)
-    return PerplexityResult(math.exp(mean), mean, scored, time.perf_counter() - started,
-                            [float(x / (length - 1)) for x in nll])
+    return nll
+
+
+def press_perplexity(engine, segments: list[list[int]], prompt_len: int) -> PerplexityResult:
+    """Perplexity over each segment's tokens from `prompt_len` on, through the engine's own loop:
+    the first `prompt_len` tokens are a request's prompt (pressed or tiered at its end by the
+    engine's --kv-press options, as any request is), the rest are forced one decode step each
+    (forced_decoding.py). It scores the same tokens as decode_nll(...)[:, prompt_len - 1:], and
+    with no press gives the same number to float rounding (tests/eval/test_press_perplexity.py)."""
+    from kvserve.eval.forced_decoding import forced_logprobs
+    check_press_prompt_len(prompt_len, len(segments[0]))
+    started = time.perf_counter()
+    run = forced_logprobs(engine, [s[:prompt_len] for s in segments], [s[prompt_len:] for s in segments], "ppl")
+    nll = -torch.tensor(run.logprobs, dtype=torch.float64)
+    return perplexity_from_nll(nll, time.perf_counter() - started)
+
+
+def check_press_prompt_len(prompt_len: int, segment_len: int) -> None:
+    if not 1 <= prompt_len < segment_len:
+        raise ValueError(f"--press-prompt-len must leave a continuation to score: in [1, {segment_len}) for "
+                         f"--segment-len {segment_len}, got {prompt_len}")
 
 
 @torch.inference_mode()
@@ -258,6 +293,10 @@ class FormatResult:
     capacity_vs_bf16: float
     attention_backend: str = ""          # the forward path it ran through (one for all formats: run_eval)
     perplexity: Optional[dict[str, Any]] = None
+    # A press or tier format, and the reference beside them: press_perplexity (the continuation
+    # only, through the engine's loop); for the reference also the runner's decode_nll over the
+    # same tokens, which it must equal.
+    continuation_perplexity: Optional[dict[str, Any]] = None
     greedy: Optional[dict[str, Any]] = None
     passkey: Optional[dict[str, Any]] = None
     presses: Optional[list[dict[str, Any]]] = None     # a press format: what its press did (PressStats)
@@ -266,7 +305,10 @@ class FormatResult:
 def evaluate_format(name: str, format_options: dict[str, Any], base_options: dict[str, Any],
                     segments: list[list[int]], prompts: list[list[int]], greedy_tokens: int,
                     reference_greedy: Optional[list[list[int]]], passkey_len: int, passkey_depths: list[float],
-                    kv_budget_bytes: int) -> tuple[FormatResult, list[list[int]]]:
+                    kv_budget_bytes: int, press_prompt_len: Optional[int] = None
+                    ) -> tuple[FormatResult, list[list[int]]]:
+    """press_prompt_len: where the continuation perplexity starts; None: not measured (no format
+    of the run presses)."""
     from kvserve.engine.engine import Engine
     from kvserve.kvstore import capacity_ratio
     engine = Engine.from_options(**_format_engine_options(base_options, format_options))
@@ -274,9 +316,21 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
     capacity = kv_budget_bytes // spec.bytes_per_token
     result = FormatResult(name, format_options, spec.bytes_per_token, capacity, round(capacity_ratio(spec), 4),
                           engine.runner.forward_path.name)
-    if segments and not format_options.get("kv_press"):
-        result.perplexity = asdict(decode_perplexity(engine, segments))
-        result.perplexity.pop("nll_per_segment")
+    pressed = bool(format_options.get("kv_press"))
+    if segments and pressed and press_prompt_len is not None:
+        result.continuation_perplexity = _continuation(engine, segments, press_prompt_len)
+    elif segments and not pressed:
+        started = time.perf_counter()
+        nll = decode_nll(engine, segments)
+        result.perplexity = _summary(perplexity_from_nll(nll, time.perf_counter() - started))
+        if press_prompt_len is not None and name == REFERENCE_FORMAT:
+            # The press rows' baseline, by their procedure, and the check that the procedure is
+            # the runner's decode over the same tokens.
+            result.continuation_perplexity = _continuation(engine, segments, press_prompt_len)
+            same = perplexity_from_nll(nll[:, press_prompt_len - 1:], 0.0)
+            forced = result.continuation_perplexity["perplexity"]
+            result.continuation_perplexity["decode_perplexity_same_tokens"] = same.perplexity
+            result.continuation_perplexity["forced_vs_decode_rel_diff"] = forced / same.perplexity - 1
     outputs: list[list[int]] = []
     if prompts:
         outputs = greedy_outputs(engine, prompts, greedy_tokens)
@@ -288,6 +342,20 @@ def evaluate_format(name: str, format_options: dict[str, Any], base_options: dic
         result.presses = [asdict(stats) for stats in engine.make_stats().presses]
     del engine
     return result, outputs
+
+
+def _summary(ppl: PerplexityResult) -> dict[str, Any]:
+    out = asdict(ppl)
+    out.pop("nll_per_segment")
+    return out
+
+
+def _continuation(engine, segments: list[list[int]], prompt_len: int) -> dict[str, Any]:
+    """press_perplexity's summary, with what the presses did in it (the engine is fresh: its stats
+    are this run's alone)."""
+    out = {"prompt_len": prompt_len, **_summary(press_perplexity(engine, segments, prompt_len))}
+    out["presses"] = [asdict(stats) for stats in engine.make_stats().presses]
+    return out
 
 
 def _format_engine_options(base_options: dict[str, Any], format_options: dict[str, Any]) -> dict[str, Any]:
@@ -345,8 +413,10 @@ DEFAULT_FORMATS: dict[str, dict[str, Any]] = {
     "int8-static-kv": {"kv_cache_dtype": "int8", "kv_scales_file": "@scales", "kv_static_scale_parts": "kv"},
 }
 # KV presses (docs/kv_compression.md), in the full-precision cache: "snapkv@0.25" keeps a quarter of
-# each prompt's KV. Perplexity is not measured for them (it is scored outside the engine's steps,
-# where no press runs); the greedy agreement and the passkey go through the engine and are.
+# each prompt's KV. Their perplexity is the continuation perplexity (press_perplexity: through the
+# engine's loop, where the presses run), next to the reference's by the same procedure; the
+# runner-driven decode_perplexity would be full KV's. The greedy agreement and the passkey go
+# through the engine too.
 PRESS_KEEP_RATIOS = (0.5, 0.25, 0.125)
 DEFAULT_FORMATS.update({f"{press}@{ratio}": {"kv_cache_dtype": "auto", "kv_press": press, "kv_keep_ratio": ratio,
                                              "kv_press_min_tokens": 64, "kv_press_window": 64}
@@ -421,7 +491,10 @@ def _full_precision(options: dict[str, Any]) -> bool:
 def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[str, Any]],
              num_segments: int, segment_len: int, num_prompts: int, prompt_len: int, greedy_tokens: int,
              passkey_len: int, passkey_depths: list[float], kv_budget_bytes: int = 1 << 30,
-             log=print, passkey_formats: Optional[set[str]] = None) -> dict[str, Any]:
+             log=print, passkey_formats: Optional[set[str]] = None,
+             press_prompt_len: Optional[int] = None) -> dict[str, Any]:
+    """press_prompt_len: the prompt part of each segment for the continuation perplexity (default,
+    when a format presses: 3/4 of segment_len)."""
     from kvserve.engine.engine import Engine
     if REFERENCE_FORMAT not in formats or not _full_precision(formats[REFERENCE_FORMAT]):
         raise ValueError(f"the formats must include {REFERENCE_FORMAT!r} with the cache in the model dtype "
@@ -429,6 +502,12 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
     # The reference first: the others' greedy agreement is measured against its outputs.
     formats = {REFERENCE_FORMAT: formats[REFERENCE_FORMAT],
                **{name: options for name, options in formats.items() if name != REFERENCE_FORMAT}}
+    if not num_segments or not any(options.get("kv_press") for options in formats.values()):
+        press_prompt_len = None
+    elif press_prompt_len is None:
+        press_prompt_len = segment_len * 3 // 4
+    if press_prompt_len is not None:
+        check_press_prompt_len(press_prompt_len, segment_len)
     probe = Engine.from_options(**_format_engine_options(base_options, {}))
     base_options = one_forward_path(base_options, probe.device)
     tokenizer = probe.tokenizer
@@ -443,7 +522,7 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
         started = time.perf_counter()
         passkey = passkey_len if passkey_formats is None or name in passkey_formats else 0
         result, outputs = evaluate_format(name, options, base_options, segments, prompts, greedy_tokens,
-                                          reference, passkey, passkey_depths, kv_budget_bytes)
+                                          reference, passkey, passkey_depths, kv_budget_bytes, press_prompt_len)
         if name == REFERENCE_FORMAT:
             reference = outputs
         elif result.attention_backend != results[0].attention_backend:
@@ -452,15 +531,20 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
                              f"{results[0].attention_backend}; pass one --attention-backend that runs every format")
         results.append(result)
         log(format_row(result, results[0]) + f"   ({time.perf_counter() - started:.0f}s)")
-    reference_ppl = results[0].perplexity["perplexity"] if results[0].perplexity else None
+        if name == REFERENCE_FORMAT and result.continuation_perplexity:
+            log(format_continuation_line(result))
     rows = []
     for result in results:
         row = asdict(result)
-        if reference_ppl and result.perplexity:
-            row["perplexity"]["delta_vs_reference_pct"] = round(
-                100 * (result.perplexity["perplexity"] / reference_ppl - 1), 3)
+        for key in ("perplexity", "continuation_perplexity"):     # each against the reference's own
+            reference_part = getattr(results[0], key)
+            if reference_part and row[key]:
+                row[key]["delta_vs_reference_pct"] = round(
+                    100 * (row[key]["perplexity"] / reference_part["perplexity"] - 1), 3)
         rows.append(row)
     return {"model": model_info, "text_tokens_scored": num_segments * (segment_len - 1),
+            "press_prompt_len": press_prompt_len,
+            "continuation_tokens_scored": num_segments * (segment_len - press_prompt_len) if press_prompt_len else 0,
             "num_segments": num_segments, "segment_len": segment_len, "num_prompts": num_prompts,
             "prompt_len": prompt_len, "greedy_tokens": greedy_tokens, "kv_budget_bytes": kv_budget_bytes,
             "reference": REFERENCE_FORMAT, "attention_backend": results[0].attention_backend, "formats": rows}
@@ -468,10 +552,14 @@ def run_eval(text: str, base_options: dict[str, Any], formats: dict[str, dict[st
 
 def format_row(result: FormatResult, reference: FormatResult) -> str:
     """One log line: "ref" for the reference's comparisons with itself, "n/a" where a number was
-    not measured (no segments, prompts or passkey)."""
+    not measured (no segments, prompts or passkey). A press or tier format's ppl is its continuation
+    perplexity, marked "ppl*", and its delta is against the reference's continuation perplexity
+    (format_continuation_line)."""
     is_reference = result is reference
-    ppl = result.perplexity["perplexity"] if result.perplexity else None
-    ref_ppl = reference.perplexity["perplexity"] if reference.perplexity else None
+    key = "continuation_perplexity" if result.options.get("kv_press") else "perplexity"
+    part, reference_part = getattr(result, key), getattr(reference, key)
+    ppl = part["perplexity"] if part else None
+    ref_ppl = reference_part["perplexity"] if reference_part else None
     ppl_text = f"{ppl:8.4f}" if ppl is not None else f"{'n/a':>8}"
     if ppl is None or ref_ppl is None:
         delta_text = f"({'n/a':>7})"
@@ -487,8 +575,18 @@ def format_row(result: FormatResult, reference: FormatResult) -> str:
     else:
         agree_text = first_text = f"{'n/a':>6}"
     passkey_text = f"{result.passkey['accuracy']:.2f}" if result.passkey else "n/a"
+    mark = "*" if key == "continuation_perplexity" else " "
     return (f"{result.name:<33} {result.kv_bytes_per_token:>7} B/tok  x{result.capacity_vs_bf16:<5.2f} "
-            f"ppl {ppl_text} {delta_text}  agree {agree_text}  first-div {first_text}  passkey {passkey_text}")
+            f"ppl{mark}{ppl_text} {delta_text}  agree {agree_text}  first-div {first_text}  passkey {passkey_text}")
+
+
+def format_continuation_line(reference: FormatResult) -> str:
+    """The reference's continuation perplexity (the press rows' "ppl*" baseline), and how far the
+    engine-loop procedure is from the runner's decode over the same tokens."""
+    part = reference.continuation_perplexity
+    return (f"{'  ' + reference.name + ' continuation':<33} tokens {part['prompt_len']}.. of each segment  "
+            f"ppl*{part['perplexity']:8.4f} (    ref)  decode over the same tokens "
+            f"{part['decode_perplexity_same_tokens']:.4f} (rel. diff {part['forced_vs_decode_rel_diff']:+.1e})")
 
 
 # --- calibration --------------------------------------------------------------------------------------

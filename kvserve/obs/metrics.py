@@ -2,10 +2,11 @@
 name theirs, with `kvserve:` for `vllm:`).
 
 Two kinds of series:
-- engine state (requests running/waiting, KV blocks, token and preemption totals, the prefix cache,
-  the MoE expert load, the latency controls) is read from the latest `EngineSnapshot` (made from
-  `Engine.make_stats()`'s kvserve/stats.py dataclasses) at scrape time by custom collectors, so it
-  is never stale and never touches the engine from the HTTP thread;
+- engine state (requests running/waiting, KV blocks, token and preemption totals, the per-tenant
+  request and token totals, the prefix cache, the MoE expert load, the latency controls) is read
+  from the latest `EngineSnapshot` (made from `Engine.make_stats()`'s kvserve/stats.py
+  dataclasses) at scrape time by custom collectors, so it is never stale and never touches the
+  engine from the HTTP thread;
 - per-request latencies (TTFT, time per output token, end-to-end, queue time) and sizes are
   histograms observed when a request leaves the engine (`observe_finished`, called on the engine
   thread; prometheus_client metrics are thread-safe).
@@ -23,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.client import EngineSnapshot, FinishedRequest
-from kvserve.stats import ExpertLoadStats
+from kvserve.stats import ExpertLoadStats, TenantUsage, tenant_sort_key
 
 if TYPE_CHECKING:
     from kvserve.sched.slo import SLOTargets
@@ -176,6 +177,32 @@ def _cold_tier_metrics(snap: EngineSnapshot, labels: list[str], values: list[str
                  "dropped write).", lambda t: [("", t.errors)])
 
 
+def _tenant_usage_metrics(usage: dict[Optional[str], TenantUsage], label_of: "TenantLabels", labels: list[str],
+                          values: list[str]) -> Iterable[Metric]:
+    """The engine's per-tenant totals (its TenantUsage, the one count of them), summed by label:
+    tenants past the label cap share "other"."""
+    names = labels + ["tenant"]
+    requests = CounterMetricFamily(f"{NAMESPACE}:tenant_requests", "Requests that left the engine, by tenant and "
+                                   "reason.", labels=names + ["finished_reason"])
+    prompt = CounterMetricFamily(f"{NAMESPACE}:tenant_prompt_tokens", "Prompt tokens of the requests that left the "
+                                 "engine, by tenant (once per request).", labels=names)
+    cached = CounterMetricFamily(f"{NAMESPACE}:tenant_cached_prompt_tokens", "Of those, the prompt tokens whose KV "
+                                 "came from the prefix cache or a KV tier, by tenant.", labels=names)
+    generation = CounterMetricFamily(f"{NAMESPACE}:tenant_generation_tokens", "Tokens generated for the requests "
+                                     "that left the engine, by tenant.", labels=names)
+    by_label: dict[str, TenantUsage] = {}
+    for tenant, totals in sorted(usage.items(), key=lambda item: tenant_sort_key(item[0])):
+        label = label_of(tenant)
+        by_label[label] = by_label[label].merged(totals) if label in by_label else totals
+    for label, totals in sorted(by_label.items()):
+        for reason, count in sorted(totals.requests.items()):
+            requests.add_metric(values + [label, reason], count)
+        prompt.add_metric(values + [label], totals.prompt_tokens)
+        cached.add_metric(values + [label], totals.cached_prompt_tokens)
+        generation.add_metric(values + [label], totals.generation_tokens)
+    yield from (requests, prompt, cached, generation)
+
+
 def _press_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
     requests = CounterMetricFamily(f"{NAMESPACE}:kv_press_requests", "Requests a KV press pruned (outcome applied) "
                                    "or left whole (skipped: too short, or keeping everything).",
@@ -206,6 +233,7 @@ NO_TENANT = "none"
 TENANT_METRIC_NAMES = (
     f"{NAMESPACE}:tenant_requests_total",
     f"{NAMESPACE}:tenant_prompt_tokens_total",
+    f"{NAMESPACE}:tenant_cached_prompt_tokens_total",
     f"{NAMESPACE}:tenant_generation_tokens_total",
     f"{NAMESPACE}:tenant_time_to_first_token_seconds",
 )
@@ -261,14 +289,16 @@ class _EngineStateCollector:
                 counts.add_metric(row + [outcome], value)
         yield from (p99, target, holding, counts)
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, tenant_label: TenantLabels) -> None:
         self._snapshot = snapshot
         self._model_name = model_name
-        self._tenant_label = TenantLabels()
+        self._tenant_label = tenant_label
 
     def collect(self) -> Iterable[Metric]:
         snap = self._snapshot()
         labels, values = ["model_name"], [self._model_name]
+        if snap.tenant_usage:
+            yield from _tenant_usage_metrics(snap.tenant_usage, self._tenant_label, labels, values)
         if snap.kv_blocks_by_tenant:
             family = GaugeMetricFamily(f"{NAMESPACE}:tenant_kv_blocks", "GPU KV blocks held by each tenant's "
                                        "running and loading requests.", labels=labels + ["tenant"])
@@ -463,7 +493,9 @@ class ServerMetrics:
         self.model_name = model_name
         self.slo = slo if slo is not None and slo.enabled else None
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineStateCollector(snapshot, model_name))
+        # One label map for every per-tenant series, so that a tenant past the cap is "other" in all.
+        self._tenant_label = TenantLabels()
+        self.registry.register(_EngineStateCollector(snapshot, model_name, self._tenant_label))
         self.registry.register(_PrefixCacheCollector(snapshot, model_name))
         self.registry.register(_ExpertLoadCollector(expert_load or (lambda: snapshot().expert_load), model_name))
         # Several front ends (--api-server-count): each process writes its request counters and
@@ -502,14 +534,9 @@ class ServerMetrics:
                                     labels + ["status_code"], registry=request_registry)
         for reason in ("stop", "length", "abort", "rejected", "error"):
             self._success.labels(model_name, reason)
-        self._tenant_label = TenantLabels()
+        # The per-tenant request and token totals come from the engine's snapshot (_tenant_usage_metrics);
+        # the TTFT histogram is observed here, where each request's times arrive.
         tenant_labels = labels + ["tenant"]
-        self._tenant_requests = Counter(f"{NAMESPACE}:tenant_requests", "Requests that left the engine, by tenant "
-                                        "and reason.", tenant_labels + ["finished_reason"], registry=request_registry)
-        self._tenant_prompt = Counter(f"{NAMESPACE}:tenant_prompt_tokens", "Prompt tokens of finished requests, by "
-                                      "tenant.", tenant_labels, registry=request_registry)
-        self._tenant_generation = Counter(f"{NAMESPACE}:tenant_generation_tokens", "Tokens generated for "
-                                          "finished requests, by tenant.", tenant_labels, registry=request_registry)
         self._tenant_ttft = Histogram(f"{NAMESPACE}:tenant_time_to_first_token_seconds", "Time from arrival to "
                                       "the first token, by tenant.", tenant_labels, namespace="",
                                       buckets=_TTFT_BUCKETS, registry=request_registry)
@@ -525,12 +552,9 @@ class ServerMetrics:
 
     def observe_finished(self, info: FinishedRequest) -> None:
         self._success.labels(self.model_name, info.finish_reason).inc()
-        tenant = self._tenant_label(info.tenant)
-        self._tenant_requests.labels(self.model_name, tenant, info.finish_reason).inc()
-        self._tenant_prompt.labels(self.model_name, tenant).inc(info.num_prompt_tokens)
-        self._tenant_generation.labels(self.model_name, tenant).inc(info.num_generation_tokens)
         if info.finish_reason in ("stop", "length") and info.first_token_time is not None:
-            self._tenant_ttft.labels(self.model_name, tenant).observe(max(0.0, info.first_token_time - info.arrival_time))
+            self._tenant_ttft.labels(self.model_name, self._tenant_label(info.tenant)).observe(
+                max(0.0, info.first_token_time - info.arrival_time))
         if info.finish_reason not in ("stop", "length"):
             return   # aborted/failed requests would skew the latency histograms
         self.e2e.observe(max(0.0, info.finished_time - info.arrival_time))

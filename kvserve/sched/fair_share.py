@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from kvserve.sched.qos_config import QoSConfig
+from kvserve.stats import TenantShareStats
 
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
@@ -43,3 +44,9 @@ class VirtualTokenCounters:
         cost = PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens
         self.served[tenant] = self.served.get(tenant, 0.0) + cost
         self._counters[tenant] = self.counter(tenant) + cost / self.config.weight_of(tenant)
+
+    def make_stats(self) -> dict[Optional[str], TenantShareStats]:
+        """Every tenant the counters have seen: a lifted tenant has a counter before it is served."""
+        return {tenant: TenantShareStats(self.config.weight_of(tenant), self.counter(tenant),
+                                         self.served.get(tenant, 0.0))
+                for tenant in {**self._counters, **self.served}}

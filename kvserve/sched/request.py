@@ -67,6 +67,9 @@ class Request:
     # are then recomputed over the pressed KV, as they were first computed.
     press_stop: Optional[int] = None
     press: Optional["PressPlanLike"] = None    # its PressPlan (engine/press_control.py), or None
+    # Teacher forcing, internal (Engine.add_request's forced_token_ids; no API field): output i is
+    # forced_token_ids[i] whatever the logits say, and its logprob is recorded (kvserve/eval).
+    forced_token_ids: Optional[list[int]] = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Optional[int | str] = None
     generator: Optional[torch.Generator] = None

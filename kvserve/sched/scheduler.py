@@ -247,6 +247,8 @@ class Scheduler:
     def wants_priority_preemption(self) -> bool:
         """Whether the next schedule() may preempt for priority (the engine then reads back a
         pending token first: a preempted request recomputes from its token list)."""
+        if self._over_class_running_limit():
+            return True
         if not (self._by_priority and self.waiting and self.running):
             return False
         key = self._priority_key()
@@ -264,6 +266,33 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim)
 
+    def _has_tpot_promise(self, request: Request) -> bool:
+        cls = self.qos.classes.get(request.qos_class) if request.qos_class is not None else None
+        return cls is not None and cls.tpot_p99 is not None
+
+    def _over_class_running_limit(self) -> bool:
+        """A class's TPOT target holds the running limit, more requests run than it allows, and some
+        of them have no TPOT promise."""
+        return (self.classes is not None and self.slo.class_tpot_s is not None
+                and len(self.running) + len(self.loading) > self.slo.max_running
+                and not all(self._has_tpot_promise(r) for r in self.running))
+
+    def _preempt_to_class_running_limit(self, out: SchedulerOutput) -> None:
+        """While a class's TPOT target holds the running limit (slo.py) and more requests run than it
+        allows, running requests without a TPOT promise (of a class with no tpot_p99, or of none) are
+        preempted, the lowest-ranked first. One batch decodes every class, so its step time is the
+        promised classes' time per token: waiting for requests without a promise to finish would
+        keep the step slow for as long as their outputs take."""
+        limit = self.slo.max_running
+        index = len(self.running) - 1
+        while index >= 0 and len(self.running) + len(self.loading) > limit:
+            victim = self.running[index]
+            if not self._has_tpot_promise(victim):
+                del self.running[index]
+                self._preempt(victim)
+                out.preempted.append(victim)
+            index -= 1
+
     def _fits(self, request: Request, budget: int) -> bool:
         hit = self._lookup(request)
         num_cached = request.num_computed_tokens if self.kv_manager.is_swapped(request.request_id) else (
@@ -277,9 +306,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.step_token_budget()
         chunked = self.config.enable_chunked_prefill
+        class_work = self._classes_with_work()
+        if self.classes is not None:
+            self.slo.class_tpot_s = min((self.qos.classes[name].tpot_p99 for name in class_work
+                                         if self.qos.classes[name].tpot_p99 is not None), default=None)
         if self._by_priority:
             key = self._priority_key()
             self.running.sort(key=key)           # the back is preempted first
+            if self._over_class_running_limit():
+                self._preempt_to_class_running_limit(out)
             if self.waiting and self.running:
                 self._preempt_for_priority(out, key, budget)
         preempted_for_priority = len(out.preempted)
@@ -315,7 +350,7 @@ class Scheduler:
         # the blocks the preempted requests need to come back. (Preempted for priority, they make
         # room for the request that outranks them.)
         if len(out.preempted) == preempted_for_priority:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, self.classes.held_below(class_work) if class_work else None)
         out.block_copies = self.kv_manager.take_block_copies()
         return out
 
@@ -414,23 +449,23 @@ class Scheduler:
             if not queue:
                 del queues[tenant]
 
-    def _classes_held_below(self) -> Optional[int]:
-        """The priority under which admissions wait while a class with work misses a p99 target
-        (kvserve/sched/qos_classes.py), or None."""
+    def _classes_with_work(self) -> set[str]:
+        """The request classes with requests running, loading or waiting."""
         if self.classes is None:
-            return None
-        with_work = {r.qos_class for r in itertools.chain(self.running, self.waiting, self.loading.values())
-                     if r.qos_class is not None}
-        return self.classes.held_below(with_work) if with_work else None
+            return set()
+        return {r.qos_class for r in itertools.chain(self.running, self.waiting, self.loading.values())
+                if r.qos_class is not None}
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, held_below: Optional[int] = None) -> None:
+        """Admits waiting requests in order while slots, budget and blocks last; with `held_below`
+        (a class with work misses a p99 target: kvserve/sched/qos_classes.py), only those of a
+        priority up to it."""
         chunked = self.config.enable_chunked_prefill
         caching = self.kv_manager.enable_prefix_caching
         fifo = (list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
                 if self._cache_aware and not self._by_priority else [])
         candidates = self._waiting_order()
         admitted: set[str] = set()
-        held_below = self._classes_held_below()
         for request in candidates:
             if budget <= 0 or len(self.running) + len(self.loading) >= self._admission_limit:
                 break

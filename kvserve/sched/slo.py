@@ -54,6 +54,10 @@ GROW_BELOW = 0.9
 DECREASE_FACTOR = 0.9         # multiplicative decrease per step over the target
 INCREASE_STEP = 0.25          # additive increase per step under it (one more request per 4 steps)
 STEP_TIME_SMOOTHING = 0.2     # weight of the newest step in the exponential average
+# Steps observed after a cut before the next one: the average lags the batch it measures, and a
+# batch can shrink to a new limit at once (requests without a TPOT promise are preempted for a
+# class's target), so cutting on each step of the lag would overshoot.
+CUT_SETTLE_STEPS = 3
 COMPLETION_WINDOW_S = 10.0    # completions counted for the completion-rate estimate
 MIN_COMPLETIONS_FOR_RATE = 4  # fewer than this: running requests are taken to run to max_tokens
 # A simulation of the steps ahead gives up past this many (the answer is then "too late").
@@ -213,6 +217,11 @@ class SLOController:
         self.step_time_s: Optional[float] = None          # exponential average over busy steps
         self.step_cost = StepCostModel()
         self._limit = float(max_num_seqs)
+        self._steps_since_cut = CUT_SETTLE_STEPS
+        # The tightest TPOT p99 target among the request classes with work now (the scheduler sets
+        # it each step; kvserve/sched/qos_classes.py): one batch decodes every class, so its step
+        # time is every class's time per token, and the strictest class with work sets it.
+        self.class_tpot_s: Optional[float] = None
         self._completions: collections.deque[float] = collections.deque()
         self.num_rejected_at_arrival = 0
         self.num_rejected_in_queue = 0
@@ -231,12 +240,15 @@ class SLOController:
         target = self.step_time_target_s
         if target is None:
             return
+        self._steps_since_cut += 1
         if self.step_time_s > target:
             # Cut from what runs now (a limit far above it would take many steps to bite), and only
-            # once the last cut has taken effect: running requests are not preempted, so the batch
-            # shrinks as they finish, and cutting on every slow step meanwhile would overshoot.
-            if num_running <= self._limit:
+            # once the last cut has taken effect: the batch has shrunk under it (running requests
+            # are not preempted for the server's target, so it shrinks as they finish) and the
+            # average has seen a few steps of it. Cutting on every slow step meanwhile would overshoot.
+            if num_running <= self._limit and self._steps_since_cut >= CUT_SETTLE_STEPS:
                 self._limit = max(1.0, num_running * DECREASE_FACTOR)
+                self._steps_since_cut = 0
         elif self.step_time_s < GROW_BELOW * target and num_running >= int(self._limit):
             # Growing while the limit binds, whether or not anyone waits: with shedding, the demand
             # the limit holds back is rejected at arrival and never shows up as a queue.
@@ -262,7 +274,8 @@ class SLOController:
     # --- decisions -----------------------------------------------------------------------------
     @property
     def step_time_target_s(self) -> Optional[float]:
-        return None if self.targets.tpot_s is None else self.targets.tpot_s * TPOT_MARGIN
+        held = [t for t in (self.targets.tpot_s, self.class_tpot_s) if t is not None]
+        return min(held) * TPOT_MARGIN if held else None
 
     @property
     def max_step_s(self) -> Optional[float]:
@@ -273,7 +286,10 @@ class SLOController:
 
     @property
     def max_running(self) -> int:
-        """How many requests may run at once under the TPOT target."""
+        """How many requests may run at once under the TPOT target (none held: max_num_seqs; the
+        limit is kept for when a target is held again)."""
+        if self.step_time_target_s is None:
+            return self.max_num_seqs
         return max(1, min(self.max_num_seqs, int(self._limit)))
 
     def expected_max_running(self) -> int:

@@ -13,7 +13,8 @@ needs neither; its requests still carry its name in Host, which `_HostCheck` ref
 --allowed-hosts names it (on a loopback --host, only loopback names are served by default).
 
 /health and /metrics need no API key (probes and Prometheus scrape them); /v1/* do when keys are
-configured.
+configured. GET /v1/usage (per-tenant usage) needs the admin key (--admin-api-key), which opens
+nothing else.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvserve.server.serving_chat import OpenAIServingChat
 from kvserve.server.serving_completions import OpenAIServingCompletion
 from kvserve.server.serving_pins import OpenAIServingPins
 from kvserve.server.serving_tokenize import OpenAIServingTokenization
+from kvserve.server.usage import usage_summary
 
 logger = logging.getLogger("kvserve.server")
 
@@ -156,6 +158,7 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
     if model_names is None:
         model_names = [config.served_model_name or default_model_name(served.model, served.source_path)]
     api_keys = config.load_api_keys()
+    admin_key = config.load_admin_key(api_keys)
     # Metrics read the snapshot the engine side republishes (made from Engine.make_stats()).
     metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0], slo=_slo_targets(served),
                             multiprocess_dir=metrics_dir)
@@ -190,18 +193,29 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
         """Returns the tenant of the API key (None without keys or for --api-key)."""
         if not api_keys:
             return None
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
+        token = _bearer_token(request)
         if not token:
             raise APIError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
-        matched = None
-        for key in api_keys:   # compare against every key so timing does not reveal which one matched
-            if hmac.compare_digest(key.encode(), token.encode()):
-                matched = key
+        matched = _matching_key(token, api_keys)
         if matched is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
         return api_keys[matched]
+
+    async def authenticate_admin(request: Request) -> None:
+        """The operator's endpoints: the admin key opens them, a tenant's key is refused (403)."""
+        if admin_key is None:
+            raise APIError(403, f"{request.url.path} is for the operator and this server has no admin key: start it "
+                                "with --admin-api-key (or $KVSERVE_ADMIN_API_KEY)", code="admin_key_not_set")
+        token = _bearer_token(request)
+        if not token:
+            raise APIError(401, f"missing admin API key: {request.url.path} needs `Authorization: Bearer "
+                                "<admin key>` (the server's --admin-api-key)", code="invalid_api_key")
+        if _matching_key(token, [admin_key]) is not None:
+            return
+        if _matching_key(token, api_keys) is not None:
+            raise APIError(403, f"{request.url.path} needs the admin API key (--admin-api-key); a tenant's API key "
+                                "does not open it", code="admin_key_required")
+        raise APIError(401, "invalid admin API key", code="invalid_api_key")
 
     @app.get("/health", summary="200 while the engine thread runs")
     async def health() -> JSONResponse:
@@ -263,6 +277,10 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
                                                          description="with --trust-request-tenant")) -> Any:
         return await pins_api.list_pins(tenant, requested)
 
+    @app.get("/v1/usage", summary="per-tenant requests, tokens, KV blocks and fair-share counters (admin key)")
+    async def usage(_admin: None = Depends(authenticate_admin)) -> dict[str, Any]:
+        return usage_summary(async_engine.snapshot)
+
     # vLLM serves these at the root too; same handlers, kept out of the schema to avoid duplicates.
     app.add_api_route("/tokenize", tokenize, methods=["POST"], include_in_schema=False)
     app.add_api_route("/detokenize", detokenize, methods=["POST"], include_in_schema=False)
@@ -284,6 +302,22 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
     if allowed_hosts is not None:
         app.add_middleware(_HostCheck, allowed=allowed_hosts, on_error=metrics.count_error)
     return app
+
+
+def _bearer_token(request: Request) -> str:
+    """The key of `Authorization: Bearer KEY` ("" without one)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _matching_key(token: str, keys: Any) -> Optional[str]:
+    """The key of `keys` equal to `token`, compared against every one so that the time taken
+    does not reveal which one matched (or how much of one did)."""
+    matched = None
+    for key in keys:
+        if hmac.compare_digest(key.encode(), token.encode()):
+            matched = key
+    return matched
 
 
 class _HostCheck:

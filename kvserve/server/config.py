@@ -27,6 +27,9 @@ class ServerConfig:
                                         "(also read from $KVSERVE_API_KEY)")
     api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name (or null); any listed "
                                               "key is accepted and sets the request's tenant")
+    admin_api_key: Optional[str] = _opt(None, "the operator's key: `Authorization: Bearer KEY` opens GET /v1/usage "
+                                              "(per-tenant usage) and nothing else; must differ from every API key "
+                                              "(also read from $KVSERVE_ADMIN_API_KEY)")
     trust_request_tenant: bool = _opt(False, "honour the request's `tenant` field for keys without a tenant: only "
                                              "behind a gateway that authenticates users and sets it")
     allowed_hosts: Optional[str] = _opt(None, "comma-separated names the Host header may carry (DNS-rebinding "
@@ -85,6 +88,15 @@ class ServerConfig:
         if api_key:
             keys[api_key] = keys.get(api_key)
         return keys
+
+    def load_admin_key(self, api_keys: dict[str, Optional[str]]) -> Optional[str]:
+        """The admin key (None: no admin endpoints). One that is also an API key would make that
+        key's holders operators, so it is refused."""
+        admin_key = self.admin_api_key or envs.KVSERVE_ADMIN_API_KEY.get() or None
+        if admin_key is not None and admin_key in api_keys:
+            raise ValueError("admin_api_key must differ from --api-key and from every key of --api-keys-file: "
+                             "a tenant's key would open the operator's endpoints")
+        return admin_key
 
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

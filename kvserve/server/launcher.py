@@ -186,7 +186,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = server_config_from_args(args)
     config.validate()
-    config.load_api_keys()   # a bad keys file is an error before the model loads
+    # A bad keys file, or an admin key that is also an API key, is an error before the model loads.
+    config.load_admin_key(config.load_api_keys())
     engine_options = engine_options_from_args(args)
     log_level = args.log_level      # the global --log-level (kvserve/cli.py) sets uvicorn's too
     with tempfile.TemporaryDirectory(prefix="kvserve-") as run_dir:

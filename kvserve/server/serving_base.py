@@ -239,8 +239,9 @@ class OpenAIServing:
     def _check_not_rejected(self, output: RequestOutput) -> None:
         """Raises RequestOverloaded for a request the scheduler shed (it missed its TTFT deadline)."""
         if output.finished and any(sample.finish_reason == "rejected" for sample in output.outputs):
-            raise RequestOverloaded(f"server overloaded: the request could not start within the {self.slo_ttft:g} s "
-                                    f"TTFT target; retry later")
+            # Shed for the server's target, or (request classes, no server target) for its class's.
+            target = f"the {self.slo_ttft:g} s TTFT target" if self.slo_ttft is not None else "its class's TTFT target"
+            raise RequestOverloaded(f"server overloaded: the request could not start within {target}; retry later")
 
     # --- tokenizer and chat template (off the event loop) -----------------------------------------
     async def _run_in_tokenizer(self, fn: Callable[[], Any]) -> Any:

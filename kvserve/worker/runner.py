@@ -282,8 +282,19 @@ class ModelRunner:
         return self.model.compute_logits(sampled_hidden)
 
     def _sampling_rows(self, row_requests: list[Request]) -> list[SamplingRow]:
-        return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r))
+        return [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, self._generator(r),
+                            None if r.forced_token_ids is None else self._forced_token(r))
                 for r in row_requests]
+
+    @staticmethod
+    def _forced_token(request: Request) -> int:
+        """The forced id of the output about to be sampled. Outputs still on the device count (their
+        PENDING_TOKEN is in output_token_ids), so a launched-ahead step takes the right one."""
+        index = len(request.output_token_ids)
+        if index >= len(request.forced_token_ids):
+            raise RuntimeError(f"request {request.request_id!r} samples output {index}, past its "
+                               f"{len(request.forced_token_ids)} forced tokens")
+        return request.forced_token_ids[index]
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],

@@ -11,7 +11,8 @@ Processing order (the one vLLM and HF use, so outputs are comparable):
 3. repetition penalty (HF style, over prompt + output tokens);
 4. frequency / presence penalties (OpenAI style, over output tokens only);
 5. greedy rows take the argmax of the penalised logits;
-6. other rows: temperature, top-k, top-p, min-p, then an exponential-race draw.
+6. other rows: temperature, top-k, top-p, min-p, then an exponential-race draw;
+7. rows with a forced token (teacher forcing, internal) take it instead; their logprobs are its.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class SamplingRow:
     output_token_ids: list[int]
     # Set when params.seed is; created once per request on the logits' device (make_generator).
     generator: Optional[torch.Generator] = None
+    # Teacher forcing (an internal request option, kvserve/eval/forced_decoding.py): the row takes
+    # this token instead of sampling, and its logprobs are those of this token.
+    forced_token_id: Optional[int] = None
 
 
 @dataclass
@@ -285,7 +289,7 @@ class Sampler:
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = self._raw_logprobs(logits, logprob_rows)
         logits = apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids))
-        token_ids = self._select_tokens(self._apply_penalties(logits, rows), rows)
+        token_ids = self._force(self._select_tokens(self._apply_penalties(logits, rows), rows), rows)
         if raw_logprobs is None:
             return token_ids, None
         return token_ids, self._logprob_tensors(raw_logprobs, logprob_rows, token_ids, rows)
@@ -334,6 +338,18 @@ class Sampler:
         index = torch.tensor(sampled_rows, device=logits.device)
         token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled_rows])
         return token_ids
+
+    @staticmethod
+    def _force(token_ids: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Forced rows take their given token. After selection, so the other rows' draws and
+        generators advance exactly as they would without the forced rows; the logprobs below are
+        gathered at the returned ids, so a forced row reports its forced token's logprob."""
+        forced = [(i, row.forced_token_id) for i, row in enumerate(rows) if row.forced_token_id is not None]
+        if not forced:
+            return token_ids
+        index = _index_tensor([i for i, _ in forced], token_ids.device)
+        values = _index_tensor([token for _, token in forced], token_ids.device).to(token_ids.dtype)
+        return token_ids.index_put((index,), values)
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

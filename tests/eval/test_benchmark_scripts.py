@@ -1,17 +1,21 @@
-"""The diagnostic passes of the benchmark scripts (their logic lives in kvserve.eval), run on a tiny
-random model: they must account for every step and every request, since their figures end up in
-benchmarks/results/."""
+"""The diagnostic passes of the benchmark scripts (their logic lives in kvserve.eval), and the
+serving fairness benchmark end to end, run on tiny random models: they must account for every step
+and every request, since their figures end up in benchmarks/results/."""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import importlib.util
+import json
 import pathlib
 
-from conftest import TEST_DEVICE
+import pytest
+
+from conftest import TEST_DEVICE, requires_default_model
 
 EVAL = pathlib.Path(__file__).resolve().parents[2] / "kvserve" / "eval"
+SERVING = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "serving"
 
 
 def test_offline_timeline_accounts_for_every_step_and_token(tiny_checkpoint):
@@ -52,3 +56,31 @@ def test_vllm_baseline_sends_the_prompts_kvserve_bench_sends():
     spec.loader.exec_module(standalone)
     for num, length, vocab, seed in [(1, 200, 49152, 1_000_004), (16, 200, 49152, 2_000_022), (3, 7, 50, 5)]:
         assert standalone.random_prompts(num, length, vocab, seed) == random_prompts(num, length, vocab, seed)
+
+
+@pytest.mark.slow
+@requires_default_model
+def test_fairness_bench_runs_its_three_phases_on_one_trace(tmp_path):
+    """benchmarks/serving/fairness_bench.py end to end on a tiny model, a two-second trace: B alone,
+    then A and B under FCFS and under fair share, each phase's requests all answered, and the
+    service it reads from /v1/usage agreeing with the fair policy's own counter."""
+    from loopback_server import build_tiny_chat_model
+    folder = build_tiny_chat_model(tmp_path / "tiny", max_position_embeddings=1024)
+    spec = importlib.util.spec_from_file_location("_fairness_bench", SERVING / "fairness_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "fairness.json"
+    assert bench.main(["--duration", "2", "--capacity", "4", "--capacity-burst", "4", "--min-tokens", "2",
+                       "--max-tokens", "4", "--json", str(out), "--", "--model", folder, "--max-model-len", "512",
+                       "--kv-cache-memory", "8MiB"]) == 0
+    report = json.loads(out.read_text())
+    phases = report["phases"]
+    assert list(phases) == ["b_alone", "fcfs", "fair"] and list(phases["b_alone"]["tenants"]) == ["b"]
+    # The same trace in both shared phases: B's requests alone are B's requests among A's.
+    assert phases["b_alone"]["tenants"]["b"]["requests"] == phases["fair"]["tenants"]["b"]["requests"] >= 1
+    for phase in phases.values():
+        for tenant in phase["tenants"].values():
+            assert tenant["completed"] == tenant["requests"] and tenant["ttft_p99_s"] > 0
+    for tenant, row in phases["fair"]["service"].items():
+        assert row["vtc_served"] == row["weighted_tokens"] > 0, tenant
+    assert report["goal"]["b_ttft_p99_fair_over_alone"] > 0

@@ -89,10 +89,22 @@ def test_eval_kv_runs_every_listed_format(chat_model, text_file, scales_file, tm
                  "int4-w128-s4-keys-per-channel", "int8+first/last-2-layers-full"):
         assert rows[name]["perplexity"]["perplexity"] == pytest.approx(reference_ppl, rel=1e-5), name
     assert rows["int4-g32-nowindow-nosinks"]["perplexity"]["delta_vs_reference_pct"] > 0.1
+    # The press formats' continuation perplexity: 6 of each 8-token segment prompt (3/4, the
+    # default), the last 2 forced and scored, and the reference's by the same procedure.
+    assert result["press_prompt_len"] == 6 and result["continuation_tokens_scored"] == 2
+    assert rows[REFERENCE_FORMAT]["continuation_perplexity"]["forced_vs_decode_rel_diff"] == pytest.approx(0, abs=1e-5)
+    for name, row in rows.items():
+        if row["options"].get("kv_press"):
+            assert row["continuation_perplexity"]["tokens_scored"] == 2, name
+            # 6 prompt tokens are under the 64-token minimum: left whole, so exactly the reference.
+            assert row["continuation_perplexity"]["delta_vs_reference_pct"] == 0, name
+        elif name != REFERENCE_FORMAT:
+            assert row["continuation_perplexity"] is None, name
     log = capsys.readouterr().out.splitlines()
-    assert len(log) == len(names)
+    assert len(log) == len(names) + 1                     # and the reference's continuation line
     assert log[0].startswith(REFERENCE_FORMAT) and "(    ref)  agree    ref" in log[0]
-    assert all("agree    ref" not in line and "agree    n/a" not in line for line in log[1:])
+    assert "continuation" in log[1] and "ppl*" in log[1]
+    assert all("agree    ref" not in line and "agree    n/a" not in line for line in log[2:])
 
 
 def test_eval_kv_passkey(chat_model, text_file, tmp_path):
@@ -124,7 +136,9 @@ def test_eval_kv_says_na_for_what_it_did_not_measure(chat_model, text_file, caps
     (["--formats", "int8,fp8_e4m3"], "must include 'full'"),
     (["--formats", "full,int8-keys-per-channel"], "int8-keys-per-channel use static scales"),
     (["--formats", "full,int9"], "unknown formats ['int9']"),
-], ids=["kv-cache-dtype", "error-feedback", "two-flags", "no-reference", "no-scales-file", "unknown"])
+    (["--formats", "full,snapkv@0.25", "--press-prompt-len", "8"], "--press-prompt-len must leave a continuation"),
+], ids=["kv-cache-dtype", "error-feedback", "two-flags", "no-reference", "no-scales-file", "unknown",
+        "no-continuation"])
 def test_eval_kv_refuses_what_it_cannot_honour(tmp_path, capsys, extra, problem):
     """Refused before any model loads (the model folder does not exist), with the reason."""
     args = _eval_kv(str(tmp_path / "no-model"), str(tmp_path / "no-text"), ["full", "int8"], *extra)
@@ -156,21 +170,38 @@ def test_native_and_torch_forward_agree_at_full_precision(tiny_checkpoint):
         torch.testing.assert_close(native, reference, atol=1e-4, rtol=0)
 
 
-def test_eval_kv_runs_presses_through_the_engine(chat_model, text_file, tmp_path):
-    """A press format prunes the greedy prompts (they pass its 64-token minimum) and the passkey
-    prompt; its perplexity is not reported (scored outside the engine's steps, it would be full KV's)."""
+def test_eval_kv_runs_presses_through_the_engine(chat_model, text_file, tmp_path, capsys):
+    """A press format prunes the perplexity segments' prompts, the greedy prompts (they pass its
+    64-token minimum) and the passkey prompt. Its perplexity is the continuation's, forced through
+    the engine's steps after its prompt was pressed, against the reference's by the same procedure
+    (decode_perplexity, outside the engine's steps, would be full KV's: not reported for it)."""
     out = tmp_path / "eval.json"
     args = _eval_kv(chat_model, text_file, ["full", "streaming_llm@0.25", "tier:snapkv@0.25"], "--passkey-len",
-                    "400", "--max-model-len", "1024", "--json", str(out))
+                    "400", "--max-model-len", "1024", "--press-prompt-len", "120", "--json", str(out))
     args[args.index("--prompt-len") + 1] = "200"
     args[args.index("--greedy-tokens") + 1] = "8"
+    args[args.index("--segment-len") + 1] = "160"
+    args[args.index("--num-segments") + 1] = "2"
     assert main(args) == 0
-    full, pressed, tiered = json.loads(out.read_text())["formats"]
+    result = json.loads(out.read_text())
+    full, pressed, tiered = result["formats"]
+    assert result["press_prompt_len"] == 120 and result["continuation_tokens_scored"] == 80
     assert pressed["options"]["kv_press"] == "streaming_llm" and pressed["perplexity"] is None
-    assert full["perplexity"] is not None
+    assert full["perplexity"]["tokens_scored"] == 2 * 159
+    reference = full["continuation_perplexity"]
+    assert reference["tokens_scored"] == 80 and abs(reference["forced_vs_decode_rel_diff"]) < 1e-5
+    for row, press in ((pressed, "streaming_llm"), (tiered, "snapkv")):
+        part = row["continuation_perplexity"]
+        assert part["tokens_scored"] == 80 and part["delta_vs_reference_pct"] != 0
+        (stats,) = part["presses"]                     # the segments' prompts were pressed
+        assert stats["press"] == press and stats["applied"] == 2
+    assert pressed["continuation_perplexity"]["presses"][0]["tokens_pruned"] == 2 * (120 - 30)
+    assert tiered["continuation_perplexity"]["presses"][0]["tokens_demoted"] > 0
+    log = capsys.readouterr().out.splitlines()
+    assert log[2].startswith("streaming_llm@0.25") and "ppl*" in log[2] and "(    ref)" not in log[2]
     assert pressed["greedy"] is not None and pressed["passkey"]["trials"]
     (stats,) = pressed["presses"]
-    assert stats["press"] == "streaming_llm" and stats["applied"] == 4 and stats["tokens_pruned"] > 0
+    assert stats["press"] == "streaming_llm" and stats["applied"] == 2 + 4 and stats["tokens_pruned"] > 0
     # The tiering mode demotes blocks instead (tokens_pruned stays 0) and ranks them as it decodes.
     (stats,) = tiered["presses"]
     assert stats["press"] == "snapkv" and stats["applied"] > 0 and stats["tokens_demoted"] > 0

@@ -8,6 +8,7 @@ classes below it are not admitted."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -153,3 +154,50 @@ def test_lower_classes_wait_while_a_class_above_misses_its_p99(folder, tmp_path)
         engine.step()
     stats = {c.name: c for c in engine.make_stats().scheduler.classes}
     assert stats["bronze"].requests_finished == 1
+
+
+def _final_tokens(engine: Engine, seen: dict) -> None:
+    for out in engine.step():
+        if out.finished:
+            seen[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def test_a_class_tpot_target_holds_the_batch_by_preempting_requests_without_a_promise(folder, tmp_path):
+    # Gold's TPOT target is far under any step: its running limit is cut every few steps, and the
+    # bronze requests (no TPOT target) are preempted down to it; gold itself never is.
+    classes = {"gold": {"priority": 0, "tpot_p99": 1e-6}, "bronze": {"priority": 2, "ttft_p99": 60}}
+    engine = _engine(folder, _qos(tmp_path, {"classes": classes}))
+    scheduler = engine.scheduler
+    bronze = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, qos_class="bronze")
+    gold = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, qos_class="gold")
+    prompts = {f"b{i}": [1, 7 + i, 9, 11 + i] for i in range(8)}
+    prompts["g"] = [1, 2, 3, 4]
+    for rid in [r for r in prompts if r != "g"]:
+        engine.add_request(rid, {"prompt_token_ids": prompts[rid]}, bronze)
+    seen: dict = {}
+    for _ in range(3):
+        _final_tokens(engine, seen)
+    assert len(scheduler.running) == 8 and scheduler.slo.max_running == scheduler.config.max_num_seqs
+    engine.add_request("g", {"prompt_token_ids": prompts["g"]}, gold)
+    limits = []
+    while "g" in scheduler.requests:
+        limit = scheduler.slo.max_running          # what this step's scheduling holds
+        _final_tokens(engine, seen)
+        limits.append(scheduler.slo.max_running)
+        assert "g" not in [r.request_id for r in scheduler.waiting]               # never preempted
+        assert len(scheduler.running) + len(scheduler.loading) <= limit
+    assert min(limits) == 1 and scheduler.num_preemptions_total > 0
+    _final_tokens(engine, seen)
+    assert engine.has_unfinished_requests()                                # bronze is back, unlimited:
+    assert scheduler.slo.max_running == scheduler.config.max_num_seqs      # no promise with work, no limit
+    while engine.has_unfinished_requests():
+        _final_tokens(engine, seen)
+    # Preempted and resumed, the bronze requests' greedy outputs equal a run without classes.
+    plain = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=8 << 20,
+                                max_model_len=512, async_scheduling="off")
+    expected: dict = {}
+    for rid, prompt in prompts.items():
+        plain.add_request(rid, {"prompt_token_ids": prompt}, replace(gold if rid == "g" else bronze, qos_class=None))
+    while plain.has_unfinished_requests():
+        _final_tokens(plain, expected)
+    assert seen == expected

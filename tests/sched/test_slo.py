@@ -45,7 +45,7 @@ def test_running_limit_drops_from_what_runs_when_steps_are_too_slow():
         slo.observe_step(0.3, num_running=20)
     assert slo.max_running == int(20 * DECREASE_FACTOR)
     running = 20
-    for _ in range(50):                                           # the batch shrinks to each new limit
+    for _ in range(200):                                          # the batch shrinks to each new limit
         running = min(running, slo.max_running)
         slo.observe_step(0.3, num_running=running)
     assert slo.max_running == 1                                    # never below one request

@@ -61,7 +61,7 @@ class FakeEngine:
         self.stats.prompt_tokens_total += len(ids)
         return request_id
 
-    def abort(self, request_id):
+    def abort(self, request_id, reason="abort"):
         self._touch()
         if self.requests.pop(request_id, None) is not None:
             self.aborted.append(request_id)

@@ -232,3 +232,24 @@ def test_tenant_labels_are_bounded_and_the_kv_gauge_sums_by_label():
     samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
     assert samples['kvserve:tenant_kv_blocks{model_name="m",tenant="a"}'] == 5
     assert samples['kvserve:tenant_kv_blocks{model_name="m",tenant="none"}'] == 2
+
+
+def test_tenant_totals_come_from_the_engines_usage_and_share_the_label_cap():
+    """The per-tenant request and token series are the snapshot's TenantUsage (the engine's count,
+    which /v1/usage reads too); tenants past the cap are summed under "other"."""
+    from kvserve.obs.metrics import MAX_TENANT_LABELS
+    from kvserve.stats import TenantUsage
+    usage = {None: TenantUsage({"stop": 2}, 30, 16, 9)}
+    usage.update({f"t{i:02d}": TenantUsage({"length": 1, "abort": i % 2}, 10 + i, 0, 4)
+                  for i in range(MAX_TENANT_LABELS + 2)})
+    snapshot = EngineSnapshot.from_stats(_stats(tenant_usage=usage), num_steps=9, num_step_errors=0,
+                                         rejected_by_gate=0)
+    samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
+    assert samples['kvserve:tenant_requests_total{finished_reason="stop",model_name="m",tenant="none"}'] == 2
+    assert samples['kvserve:tenant_cached_prompt_tokens_total{model_name="m",tenant="none"}'] == 16
+    assert samples['kvserve:tenant_prompt_tokens_total{model_name="m",tenant="t05"}'] == 15
+    assert samples['kvserve:tenant_generation_tokens_total{model_name="m",tenant="t05"}'] == 4
+    # "none" and t00..t62 take the 64 labels; t63, t64 and t65 share "other".
+    assert samples['kvserve:tenant_prompt_tokens_total{model_name="m",tenant="other"}'] == 73 + 74 + 75
+    assert samples['kvserve:tenant_requests_total{finished_reason="abort",model_name="m",tenant="other"}'] == 2
+    assert not any('tenant="t63"' in name for name in samples)

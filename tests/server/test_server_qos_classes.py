@@ -53,3 +53,17 @@ def test_classes_by_field_and_by_tenant_default_and_refusals(server):
     assert finished == {"bronze": 2.0, "gold": 1.0}
     targets = [line for line in metrics.splitlines() if line.startswith("kvserve:qos_class_latency_target_seconds")]
     assert any('qos_class="gold"' in line and 'metric="tpot"' in line and line.endswith(" 1.0") for line in targets)
+
+
+def test_a_request_shed_in_the_queue_for_its_class_gets_an_overloaded_error_naming_the_target():
+    # Shed in the queue by its class's target on a server with no TTFT target of its own: the
+    # message (an SSE error once the stream has begun) says which target, instead of failing to format.
+    from types import SimpleNamespace
+
+    from kvserve.sched.slo import RequestOverloaded
+    from kvserve.server.serving_base import OpenAIServing
+    shed = SimpleNamespace(finished=True, outputs=[SimpleNamespace(finish_reason="rejected")])
+    with pytest.raises(RequestOverloaded, match="within its class's TTFT target"):
+        OpenAIServing._check_not_rejected(SimpleNamespace(slo_ttft=None), shed)
+    with pytest.raises(RequestOverloaded, match="within the 2 s TTFT target"):
+        OpenAIServing._check_not_rejected(SimpleNamespace(slo_ttft=2.0), shed)
