@@ -124,7 +124,7 @@ def test_unchunked_preempted_requests_recompute_past_the_budget_with_the_same_to
 def test_a_step_that_can_schedule_nothing_raises_instead_of_spinning(engine, monkeypatch):
     from kvserve.sched.scheduler import SchedulerStalled
     engine.add_request("stuck", [1, 2, 3], SamplingParams(max_tokens=4))
-    monkeypatch.setattr(engine.scheduler, "_admit_waiting", lambda out, budget: None)   # admits nothing
+    monkeypatch.setattr(engine.scheduler, "_admit_waiting", lambda out, budget, held_below=None: None)   # admits nothing
     with pytest.raises(SchedulerStalled, match="no waiting request can be scheduled"):
         engine.step()
     monkeypatch.undo()
