@@ -77,6 +77,11 @@ async def _send(url: str, model: str, plan: list[tuple[float, str, int, str]], s
         return await asyncio.gather(*(scheduled(*item) for item in plan))
 
 
+def _shed(result: RequestResult) -> bool:
+    """Shed: a 503 at arrival, or an "overloaded" error in the stream (shed in the queue)."""
+    return result.error == "HTTP 503" or (result.error or "").startswith("server overloaded")
+
+
 def _summary(plan: list[tuple[float, str, int, str]], results: list[RequestResult], classes: dict) -> dict:
     out: dict[str, Any] = {}
     for name, cls in classes.items():
@@ -84,9 +89,8 @@ def _summary(plan: list[tuple[float, str, int, str]], results: list[RequestResul
         served = [r for r in mine if r.error is None]
         within = [r for r in served if r.ttft <= cls["ttft_p99"]
                   and (cls.get("tpot_p99") is None or r.tpot is None or r.tpot <= cls["tpot_p99"])]
-        # Shed: a 503 at arrival, or an "overloaded" error in the stream (shed in the queue).
-        shed = [r for r in mine if r.error == "HTTP 503" or (r.error or "").startswith("server overloaded")]
-        others = [r for r in mine if r.error is not None and r not in shed]
+        shed = [r for r in mine if _shed(r)]
+        others = [r for r in mine if r.error is not None and not _shed(r)]
         out[name] = {"requests": len(mine), "served": len(served), "shed_503": len(shed),
                      "other_errors": len(others), "other_error_kinds": sorted({r.error for r in others}),
                      "within_targets": round(len(within) / len(mine), 4) if mine else None,
