@@ -162,6 +162,8 @@ def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:
         if profiler is not None and phase == 2:
             profiler.stop()
             profiler.export_chrome_trace(args.profile)
+            # Where the host's time in the steps with loads goes, by operator (the trace has the timeline).
+            print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
             profiler = None
         if with_loads:
             for _ in range(args.loads_per_phase):

@@ -48,11 +48,13 @@ class BlockPool:
     def allocate(self, count: int) -> list[int]:
         if count > self.num_free_blocks:
             raise BlockPoolError(f"asked for {count} blocks with {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(count):
-            block_id = self._empty.popleft() if self._empty else self.cache.evict()
-            self._ref_counts[block_id] = 1
-            blocks.append(block_id)
+        empty = self._empty
+        blocks = [empty.popleft() for _ in range(min(count, len(empty)))]
+        if len(blocks) < count:         # the rest from the cache, in one eviction
+            blocks += self.cache.evict_many(count - len(blocks))
+        ref_counts = self._ref_counts
+        for block_id in blocks:
+            ref_counts[block_id] = 1
         return blocks
 
     def share(self, block_id: int) -> None:

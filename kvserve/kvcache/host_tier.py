@@ -13,9 +13,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from kvserve.stats import HostTierStats
+
+
+class BlockContent(Protocol):
+    """What the tier keys and verifies a block by (a GPU prefix cache's CachedBlock has it)."""
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: Sequence[int]
+    namespace: str
 
 
 @dataclass(frozen=True)
@@ -72,21 +80,31 @@ class HostTier:
         """The host block to copy an evicted GPU block into, or None: already on the host (one copy
         suffices), or every host block is being read by this step's loads (the write is dropped).
         `from_below`: the bytes come up from a lower tier, which has them already (not recorded)."""
-        held = self._by_hash.get(block_hash)
-        if held is not None:
-            self._by_hash.move_to_end(block_hash)
-            return None
-        host_id = self._take_block()
-        if host_id is None:
-            self.writes_dropped += 1
-            return None
-        block = HostBlock(host_id, block_hash, parent_hash, tuple(token_ids), namespace)
-        self._by_hash[block_hash] = block
-        self._hash_of[host_id] = block_hash
-        self.blocks_written += 1
-        if self.record_writes and not from_below:
-            self._new_blocks.append(block)
-        return host_id
+        return self.store_many([HostBlock(-1, block_hash, parent_hash, tuple(token_ids), namespace)], from_below)[0]
+
+    def store_many(self, blocks: Sequence[BlockContent], from_below: bool = False) -> list[Optional[int]]:
+        """`store` for each block, in order, in one call (an allocation evicts thousands)."""
+        by_hash, hash_of, record = self._by_hash, self._hash_of, self.record_writes and not from_below
+        host_ids: list[Optional[int]] = []
+        for content in blocks:
+            block_hash = content.block_hash
+            if block_hash in by_hash:
+                by_hash.move_to_end(block_hash)
+                host_ids.append(None)
+                continue
+            host_id = self._take_block()
+            if host_id is None:
+                self.writes_dropped += 1
+                host_ids.append(None)
+                continue
+            block = HostBlock(host_id, block_hash, content.parent_hash, tuple(content.token_ids), content.namespace)
+            by_hash[block_hash] = block
+            hash_of[host_id] = block_hash
+            if record:
+                self._new_blocks.append(block)
+            host_ids.append(host_id)
+        self.blocks_written += sum(host_id is not None for host_id in host_ids)
+        return host_ids
 
     def take_issued_blocks(self) -> list[HostBlock]:
         """The blocks `store` placed (with `record_writes`) whose copies have been handed to the

@@ -65,6 +65,17 @@ class _Transfer:
 RECALL = "recall"
 
 
+@dataclass(frozen=True)
+class BlockIdentity:
+    """A full GPU block and the cached content it holds: what a copy to the host tier needs
+    (a CachedBlock has the same fields)."""
+    block_id: int
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+    namespace: str
+
+
 @dataclass
 class _CacheState:
     """Per-request prefix-cache bookkeeping, dropped when the request's table is freed."""
@@ -118,19 +129,20 @@ class KVCacheManager:
             prefix_cache.on_evict = self._write_back
 
     # --- the host tier -----------------------------------------------------------------------------
-    def _write_back(self, cached: CachedBlock) -> None:
-        self._touched.add(cached.block_id)      # its write-back gathers it on the main stream
-        if cached.stats.count < self.write_back_min_uses:
-            return
-        self._copy_to_host(cached.block_id, cached.block_hash, cached.parent_hash, cached.token_ids, cached.namespace)
+    def _write_back(self, evicted: list[CachedBlock]) -> None:
+        self._touched.update(cached.block_id for cached in evicted)     # their write-backs gather them on the main stream
+        min_uses = self.write_back_min_uses
+        self._copy_to_host([cached for cached in evicted if cached.stats.count >= min_uses])
 
-    def _copy_to_host(self, block_id: int, block_hash: bytes, parent_hash: bytes, token_ids: Sequence[int],
-                      namespace: str) -> None:
-        """Queues the block's copy to the host tier, unless the host already holds it (a full block
-        never changes: one copy is enough)."""
-        host_id = self.host_tier.store(block_hash, parent_hash, token_ids, namespace)
-        if host_id is not None:
-            self._queue_copies(DEVICE_STORE, HOST_STORE, [block_id], [host_id])
+    def _copy_to_host(self, blocks: Sequence[BlockIdentity | CachedBlock]) -> None:
+        """Queues the blocks' copies to the host tier (one run), except those the host already
+        holds (a full block never changes: one copy is enough)."""
+        if not blocks:
+            return
+        host_ids = self.host_tier.store_many(blocks)
+        src_ids = [block.block_id for block, host_id in zip(blocks, host_ids) if host_id is not None]
+        if src_ids:
+            self._queue_copies(DEVICE_STORE, HOST_STORE, src_ids, [host_id for host_id in host_ids if host_id is not None])
 
     def _queue_copies(self, source: str, destination: str, src_ids: Sequence[int], dst_ids: Sequence[int],
                       purpose: str = WRITE_BACK, ticket: Optional[int] = None) -> None:
@@ -343,13 +355,15 @@ class KVCacheManager:
         seq, bs = state.sequence, self.block_size
         self._extend_hashes(seq, end)
         hashes = seq.block_hashes
+        written: list[BlockIdentity] = []
         for index in range(state.num_published, end):
             parent = hashes[index - 1] if index else seq.cache_root
             tokens = seq.token_ids_between(index * bs, (index + 1) * bs)
             self._touched.add(table[index])
             inserted = self.prefix_cache.insert(table[index], hashes[index], parent, tokens, seq.cache_namespace, index)
             if inserted and self.write_through:
-                self._copy_to_host(table[index], hashes[index], parent, tokens, seq.cache_namespace)
+                written.append(BlockIdentity(table[index], hashes[index], parent, tuple(tokens), seq.cache_namespace))
+        self._copy_to_host(written)
         state.num_published = end
 
     def pin_prefix(self, token_ids: Sequence[int], namespace: str, ttl_s: float) -> tuple[Pin, int]:

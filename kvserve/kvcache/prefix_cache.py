@@ -142,9 +142,10 @@ class PrefixCache:
         self.num_hit_tokens = 0
         self.evictions: dict[str, int] = {}
         self._track_fanout = policy.tracks_fanout
-        # Told of each victim before it is forgotten, while its KV is still intact (the host
-        # tier's write-back: kvcache/manager.py).
-        self.on_evict: Optional[Callable[[CachedBlock], None]] = None
+        # Told of the victims of one eviction (all the blocks one allocation needs) before they
+        # are forgotten, while their KV is still intact (the host tier's write-back:
+        # kvcache/manager.py). One call per allocation, because a long prefix evicts thousands.
+        self.on_evict: Optional[Callable[[list[CachedBlock]], None]] = None
         if isinstance(policy, AdaptivePolicy):
             policy.on_switch = self._rekey
 
@@ -248,20 +249,30 @@ class PrefixCache:
 
     def evict(self) -> int:
         """Forgets the policy's victim and returns its block id, now empty."""
+        return self.evict_many(1)[0]
+
+    def evict_many(self, count: int) -> list[int]:
+        """Forgets the policy's next `count` victims, in order, and returns their block ids, now empty."""
         self._expire_pins()
-        block_id, priority = self._evictor.pop()
-        cached = self._by_block.pop(block_id)
-        del self._by_hash[cached.block_hash]
+        pop, by_block, by_hash, policy = self._evictor.pop, self._by_block, self._by_hash, self.policy
+        label = policy.label
+        victims: list[CachedBlock] = []
+        for _ in range(count):
+            block_id, priority = pop()
+            cached = by_block.pop(block_id)
+            del by_hash[cached.block_hash]
+            victims.append(cached)
+            policy.on_evict(priority)
         if self.on_evict is not None:
-            self.on_evict(cached)
+            self.on_evict(victims)
         if self.history_blocks > 0:
-            self._history[cached.block_hash] = cached.stats
-            if len(self._history) > self.history_blocks:
-                self._history.popitem(last=False)
-        label = self.policy.label
-        self.policy.on_evict(priority)
-        self.evictions[label] = self.evictions.get(label, 0) + 1
-        return block_id
+            history = self._history
+            for cached in victims:
+                history[cached.block_hash] = cached.stats
+            while len(history) > self.history_blocks:
+                history.popitem(last=False)
+        self.evictions[label] = self.evictions.get(label, 0) + count
+        return [cached.block_id for cached in victims]
 
     # --- the adaptive policy's view of the traffic --------------------------------------------------
     def observe_lookup(self, block_hashes: list[bytes], now: Optional[float] = None) -> None:

@@ -325,8 +325,12 @@ class KVCacheStore:
             return
         count = index.numel()
         for tensor, piece in zip(self._block_tensors, data.split(self._block_bytes, dim=1)):
-            values = piece.contiguous().view(tensor.dtype).view(count, *tensor.shape[1:])
-            tensor.index_copy_(0, index, values)
+            size = tensor.element_size()
+            if piece.stride(0) % size or piece.storage_offset() % size:
+                piece = piece.contiguous()      # a dtype view needs aligned rows
+            # The strided view goes to index_copy_ as it is: a contiguous copy first would cost a
+            # kernel launch and an allocation per tensor, per chunk of a load (thousands a step).
+            tensor.index_copy_(0, index, piece.view(tensor.dtype).view(count, *tensor.shape[1:]))
 
     def block_index(self, block_ids: BlockIds) -> torch.Tensor:
         """Block ids, checked against the store's size, as an index tensor on its device."""

@@ -414,3 +414,22 @@ def test_lru_keeping_shared_prefixes_evicts_conversations_first():
     kept = pb.simulate_shared_last_lru(trace, 10)
     assert kept > pb.simulate_policy(trace, 10, "lru")["hit_rate"]
     assert kept <= pb.simulate_belady(trace, 10) + 1e-9
+
+
+@pytest.mark.parametrize("policy_name", ["lru", "lru-k", "lfu-age"])
+def test_one_allocation_evicts_in_policy_order_and_tells_the_write_back_once(policy_name):
+    """An allocation that needs several cached blocks evicts them in one call: the same victims,
+    in the same order, as one eviction at a time, and the write-back hook hears of them together
+    (so the host tier stores them as one copy)."""
+    accesses = [("a", 1), ("b", 2), ("c", 3), ("a", 4), ("d", 5), ("b", 6), ("e", 7), ("a", 8)]
+    one_at_a_time, batched = Harness(make_policy(policy_name), num_blocks=5), Harness(make_policy(policy_name), num_blocks=5)
+    for h in (one_at_a_time, batched):
+        for name, t in accesses:
+            h.use(name, t)
+    expected = one_at_a_time.eviction_order()[:4]
+    heard = []
+    batched.cache.on_evict = lambda victims: heard.append([batched.names[v.block_id] for v in victims])
+    blocks = batched.pool.allocate(4)
+    assert [batched.names[block] for block in blocks] == expected
+    assert heard == [expected]
+    assert sum(batched.cache.evictions.values()) == 4 and batched.cache.num_evictable == 1

@@ -5,6 +5,8 @@ copy has landed. On CPU copies run at once and are reported at the next poll: th
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -103,7 +105,13 @@ def test_abort_while_loading_frees_the_blocks_once_the_copy_lands(folder):
     # Not back in the pool yet: the worker has not reported the copy into them.
     assert manager.pool.num_free_blocks == free_before
     assert held >= 10
-    engine.step()
+    # On CPU the copy lands by the next step; on a GPU it may take a few (it runs on its own
+    # stream): step until it is reported, with a bound so a lost report fails instead of hanging.
+    for _ in range(200):
+        engine.step()
+        if manager.num_free_blocks == manager.num_blocks:
+            break
+        time.sleep(0.005)
     assert manager.num_free_blocks == manager.num_blocks and not engine.scheduler.loading
 
 
