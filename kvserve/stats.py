@@ -68,7 +68,7 @@ class TransferStats:
     loads: int                   # loads and swap-ins that landed
     load_seconds: float          # their summed transfer time (CUDA events on a GPU)
     load_buckets: tuple[tuple[float, int], ...]    # (upper bound in seconds, loads in that bucket alone)
-    write_backs_dropped: int     # dropped under back-pressure (too many write-back bytes in flight)
+    write_back_blocks_dropped: int   # blocks not written back under back-pressure (too many write-back bytes in flight)
     copy_failures: int           # copies that raised: a load recomputes, a write-back is forgotten
 
 

@@ -102,8 +102,9 @@ def _ttft(engine, args, prompt, capacity, one, results) -> None:
         host.append(_run_alone(engine, target, one))
         loaded = engine.make_stats().kv_cache.host.hit_tokens - hits_before
         gpu.append(_run_alone(engine, target, one))
+        dropped = {k: v for k, v in vars(engine.make_stats().kv_cache.transfers).items() if "dropped" in k}
         print(f"ttft cold {cold[-1] * 1e3:8.1f} ms  from host {host[-1] * 1e3:7.1f} ms ({loaded} tokens loaded)  "
-              f"gpu hit {gpu[-1] * 1e3:6.1f} ms")
+              f"gpu hit {gpu[-1] * 1e3:6.1f} ms  write-backs dropped so far {dropped}")
     if args.profile_ttft:
         _profile_from_host(engine, args, prompt, capacity, one)
     transfers = engine.make_stats().kv_cache.transfers

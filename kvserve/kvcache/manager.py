@@ -132,17 +132,23 @@ class KVCacheManager:
     def _write_back(self, evicted: list[CachedBlock]) -> None:
         self._touched.update(cached.block_id for cached in evicted)     # their write-backs gather them on the main stream
         min_uses = self.write_back_min_uses
-        self._copy_to_host([cached for cached in evicted if cached.stats.count >= min_uses])
+        kept = [cached for cached in evicted if cached.stats.count >= min_uses]
+        self._copy_to_host(kept, [cached.stats.depth for cached in kept])
 
-    def _copy_to_host(self, blocks: Sequence[BlockIdentity | CachedBlock]) -> None:
+    def _copy_to_host(self, blocks: Sequence[BlockIdentity | CachedBlock], depths: Optional[Sequence[int]] = None) -> None:
         """Queues the blocks' copies to the host tier (one run), except those the host already
-        holds (a full block never changes: one copy is enough)."""
+        holds (a full block never changes: one copy is enough). With their `depths` in their
+        prefix chains, the copies go shallowest first: a write-back cut short under back-pressure
+        loses the deep ends of prefixes, and the host still serves their fronts. (The host's own
+        eviction order stays the GPU's.)"""
         if not blocks:
             return
         host_ids = self.host_tier.store_many(blocks)
-        src_ids = [block.block_id for block, host_id in zip(blocks, host_ids) if host_id is not None]
-        if src_ids:
-            self._queue_copies(DEVICE_STORE, HOST_STORE, src_ids, [host_id for host_id in host_ids if host_id is not None])
+        order = range(len(blocks)) if depths is None else sorted(range(len(blocks)), key=depths.__getitem__)
+        order = [index for index in order if host_ids[index] is not None]
+        if order:
+            self._queue_copies(DEVICE_STORE, HOST_STORE, [blocks[index].block_id for index in order],
+                               [host_ids[index] for index in order])
 
     def _queue_copies(self, source: str, destination: str, src_ids: Sequence[int], dst_ids: Sequence[int],
                       purpose: str = WRITE_BACK, ticket: Optional[int] = None) -> None:

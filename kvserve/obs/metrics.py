@@ -344,7 +344,7 @@ class _EngineStateCollector:
             transfers = snap.kv_transfers
             yield counter("kv_host_writes_dropped", "Write-backs to the host tier skipped (every host block was being "
                           "read that step, or too many write-back bytes were in flight).",
-                          host.writes_dropped + (transfers.write_backs_dropped if transfers is not None else 0))
+                          host.writes_dropped + (transfers.write_back_blocks_dropped if transfers is not None else 0))
             if transfers is not None:
                 moved_bytes = CounterMetricFamily(f"{NAMESPACE}:kv_host_bytes_moved", "Bytes copied between the GPU "
                                                   "and the host tier, by direction.", labels=labels + ["direction"])

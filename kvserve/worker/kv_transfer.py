@@ -1,22 +1,27 @@
 """KVTransfers: runs the block copies between the worker's KV stores off the step's critical path.
 
-On CUDA, copies to and from a tier run on a stream of their own, so a load from host RAM streams
+On CUDA, copies to and from a tier run on streams of their own, so a load from host RAM streams
 in while other requests keep stepping on the main stream:
 - Copies out of the device store (write-backs, swap-outs) read blocks that this step's forward may
   overwrite (an evicted block has a new owner at once). Their blocks are gathered on the main
-  stream into a staging slot (a device-speed copy, well under a millisecond), and the transfer
-  stream then moves the slot to pinned host memory while the forward runs.
-- Copies into the device store (loads, swap-ins) go host -> staging slot on the transfer stream,
+  stream into a staging slot (a device-speed copy, well under a millisecond), and the write stream
+  then moves the slot to pinned host memory while the forward runs.
+- Copies into the device store (loads, swap-ins) go host -> staging slot on the load stream,
   then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile). A load
   whose blocks the step in flight may still touch (freed, published or evicted since the last step
   was issued: `BlockCopy.after_inflight`, set by the KV manager) first waits for everything queued
   on the main stream; any other load starts at once, so it lands a step earlier.
   The blocks belong to a request the scheduler holds back until its ticket is reported landed
   (`poll`, an event query: no host synchronisation in the step).
-- One transfer stream keeps every tier copy in issue order, so a host block that a load reads is
-  never overwritten by a later write-back into the same host block before the load has read it.
-- Write-backs are bounded: past `max_write_back_bytes` in flight, a write-back is dropped (its
-  host blocks reported lost, so the tier forgets them) rather than stalling the step.
+- Writes and loads have a stream each because the link is full duplex: a write-back queued behind
+  gigabytes of loads on one stream held its staging slot (and so the main stream that gathers into
+  it) and piled up past the write-back bound. The host blocks still need an order, kept per block:
+  a load from a host block waits for the write that fills it, and a write into a host block waits
+  for the load still reading it (`_last_write`, `_last_read`).
+- Write-backs are bounded: past `max_write_back_bytes` in flight, the blocks of a write-back that
+  do not fit are dropped (their host blocks reported lost, so the tier forgets them) rather than
+  stalling the step. The KV manager queues each eviction's blocks shallowest first, so what is
+  dropped is the deep end of a prefix, not a block its hits pass through.
 
 Without CUDA every copy runs at once, in order, and its ticket is reported at the next poll: the
 same scheduling path, on plain memory.
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -66,6 +71,12 @@ class _Pending:
     done: Optional[torch.cuda.Event]       # None: ran synchronously
     started: Optional[torch.cuda.Event] = None
     seconds: float = 0.0                   # measured on the host when synchronous
+    host_ids: tuple[int, ...] = ()         # on CUDA: the host blocks it writes (out) or reads (in)
+    writes_host: bool = False
+    failed: bool = False                   # a lost copy, reported failed once `done` (see _lose)
+
+    def in_flight(self) -> bool:
+        return self.done is not None and not self.done.query()
 
 
 class KVTransfers:
@@ -76,9 +87,18 @@ class KVTransfers:
         self.device = device
         self.max_write_back_bytes = max_write_back_bytes
         self.staging_bytes = staging_bytes
-        # The link's copies (both ways, in issue order) and the scatters of loaded slots into blocks.
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.scatter_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # The link's copies each way, and the scatters of loaded slots into blocks.
+        on_cuda = device.type == "cuda"
+        self.load_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.write_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.scatter_stream = torch.cuda.Stream(device) if on_cuda else None
+        # Per host block, the copy in flight that last wrote it and the one that last read it.
+        self._last_write: dict[int, _Pending] = {}
+        self._last_read: dict[int, _Pending] = {}
+        # While a step's copies are issued: its loads' destination blocks (-> their order), and the
+        # gather events of those written back off the main stream.
+        self._load_targets: dict[int, int] = {}
+        self._gathered: dict[int, torch.cuda.Event] = {}
         self._rings: dict[str, StagingRing] = {}
         self._pending: list[_Pending] = []
         self._report = TransferReport()
@@ -86,7 +106,7 @@ class KVTransfers:
         self.loads = self.loaded_bytes = 0
         self.load_seconds = 0.0
         self._load_buckets = [0] * len(LOAD_SECONDS_BUCKETS)
-        self.write_backs_dropped = 0
+        self.write_back_blocks_dropped = 0
         self.copy_failures = 0
 
     # --- issuing ------------------------------------------------------------------------------
@@ -96,6 +116,12 @@ class KVTransfers:
             return
         outs = [copy for copy in copies if copy.destination != DEVICE_STORE]
         ins = [copy for copy in copies if copy.destination == DEVICE_STORE]
+        # This step's load destinations, in order: blocks evicted to make room for them.
+        self._load_targets = {}
+        for copy in ins:
+            for block_id in copy.dst_block_ids:
+                self._load_targets.setdefault(block_id, len(self._load_targets))
+        self._gathered = {}
         # Copies out first: a block evicted this step may be the target of one of this step's loads.
         lost_before = len(self._report.lost_host_blocks)
         for copy in outs:
@@ -107,6 +133,7 @@ class KVTransfers:
                 self._lose(copy)
             else:
                 self._issue_logged(copy)
+        self._load_targets, self._gathered = {}, {}
 
     def _issue_logged(self, copy: BlockCopy) -> None:
         """Issues a copy; a copy that fails at run time (a CUDA or allocation error) is logged,
@@ -122,17 +149,38 @@ class KVTransfers:
 
     def _lose(self, copy: BlockCopy) -> None:
         if copy.ticket is not None:
+            # Its blocks go back to the pool once reported: not before a write-back still gathering
+            # them off the main stream has read them.
+            events = [self._gathered[b] for b in copy.dst_block_ids if b in self._gathered]
+            if events:
+                last = torch.cuda.Event()
+                last.record(self.write_stream)      # after every gather issued so far
+                self._pending.append(_Pending(copy.ticket, copy.purpose, 0, last, failed=True))
+                return
             self._report.failed.append(copy.ticket)
         elif copy.destination != DEVICE_STORE:
             self._report.lost_host_blocks.extend(copy.dst_block_ids)
 
+    def _within_write_back_bound(self, copy: BlockCopy, block_nbytes: int) -> BlockCopy:
+        """The part of a write-back that fits under the bound (its first blocks: the shallowest);
+        the rest is dropped, its host blocks reported lost."""
+        room = max(0, self.max_write_back_bytes - self._write_backs_in_flight()) // block_nbytes
+        if room >= len(copy.src_block_ids):
+            return copy
+        dropped = copy.dst_block_ids[room:]
+        self.write_back_blocks_dropped += len(dropped)
+        self._report.lost_host_blocks.extend(dropped)
+        logger.debug("write-back of %d blocks: %d dropped, the bound (%d bytes) is in flight",
+                     len(copy.src_block_ids), len(dropped), self.max_write_back_bytes)
+        return replace(copy, src_block_ids=copy.src_block_ids[:room], dst_block_ids=copy.dst_block_ids[:room])
+
     def _issue(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore) -> None:
+        if copy.purpose == WRITE_BACK:
+            copy = self._within_write_back_bound(copy, source.block_nbytes)
+            if not copy.src_block_ids:
+                return
         nbytes = len(copy.src_block_ids) * source.block_nbytes
-        if copy.purpose == WRITE_BACK and self._write_backs_in_flight() + nbytes > self.max_write_back_bytes:
-            self.write_backs_dropped += 1
-            self._lose(copy)
-            return
-        if self.stream is None or (source.device.type != "cuda" and destination.device.type != "cuda"):
+        if self.load_stream is None or (source.device.type != "cuda" and destination.device.type != "cuda"):
             started = time.perf_counter()
             source.copy_blocks(copy.src_block_ids, copy.dst_block_ids, destination)
             pending = _Pending(copy.ticket, copy.purpose, nbytes, None, seconds=time.perf_counter() - started)
@@ -154,39 +202,83 @@ class KVTransfers:
             ring = self._rings[direction] = StagingRing(store.block_nbytes, self.device, self.staging_bytes)
         return ring
 
+    def _wait_for(self, stream: torch.cuda.Stream, last: dict[int, _Pending], host_ids: tuple[int, ...]) -> None:
+        """`stream` waits for the copies in flight that last touched these host blocks (in `last`)."""
+        waited: set[int] = set()
+        for host_id in host_ids:
+            pending = last.get(host_id)
+            if pending is not None and id(pending) not in waited:
+                waited.add(id(pending))
+                stream.wait_event(pending.done)
+
     def _copy_out(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore, nbytes: int) -> _Pending:
-        main, side = torch.cuda.current_stream(self.device), self.stream
-        ring = self._ring("out", source)
-        src_index = source.block_index(copy.src_block_ids)
-        dst_ids = list(copy.dst_block_ids)
+        main, side = torch.cuda.current_stream(self.device), self.write_stream
+        # A load still reading a host block this copy overwrites reads it first.
+        self._wait_for(side, self._last_read, copy.dst_block_ids)
         started = torch.cuda.Event(enable_timing=True)
         started.record(main)
-        for start, end in ring.chunks(len(dst_ids)):
-            slot_index, slot = ring.acquire(main)
-            slot[:end - start].copy_(source.gather_bytes(src_index[start:end]))
+        # Blocks this step's loads write next are gathered on the write stream, in the loads'
+        # order, so nothing but those loads' scatters waits for them (chunk by chunk, `_gathered`);
+        # the rest are gathered on the main stream before the forward that may overwrite them.
+        behind_loads = self._load_targets
+        pairs = list(zip(copy.src_block_ids, copy.dst_block_ids))
+        on_main = [pair for pair in pairs if pair[0] not in behind_loads]
+        off_main = sorted((pair for pair in pairs if pair[0] in behind_loads), key=lambda pair: behind_loads[pair[0]])
+        if on_main:
+            self._gather_and_put(self._ring("out", source), main, source, destination, on_main)
+        if off_main:
+            side.wait_stream(main)          # after the step in flight, which may still write them
+            self._gather_and_put(self._ring("out-behind-loads", source), side, source, destination, off_main,
+                                 self._gathered)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(side)
+        pending = _Pending(copy.ticket, copy.purpose, nbytes, done, started, host_ids=copy.dst_block_ids,
+                           writes_host=True)
+        self._last_write.update(dict.fromkeys(copy.dst_block_ids, pending))
+        return pending
+
+    def _gather_and_put(self, ring: StagingRing, gather_stream: torch.cuda.Stream, source: KVCacheStore,
+                        destination: KVCacheStore, pairs: list[tuple[int, int]],
+                        gathered_at: Optional[dict[int, torch.cuda.Event]] = None) -> None:
+        """Device blocks -> ring slots on `gather_stream`, slots -> host blocks on the write stream;
+        `gathered_at` learns, per device block, the event after which it may be overwritten."""
+        side = self.write_stream
+        with torch.cuda.stream(gather_stream):
+            # Allocated on the stream that reads it (see _copy_in).
+            src_index = source.block_index([src for src, _ in pairs])
+        dst_ids = [dst for _, dst in pairs]
+        for start, end in ring.chunks(len(pairs)):
+            slot_index, slot = ring.acquire(gather_stream)
+            with torch.cuda.stream(gather_stream):
+                slot[:end - start].copy_(source.gather_bytes(src_index[start:end]))
             gathered = torch.cuda.Event()
-            gathered.record(main)
-            side.wait_event(gathered)
+            gathered.record(gather_stream)
+            if gathered_at is not None:
+                gathered_at.update((src, gathered) for src, _ in pairs[start:end])
+            if gather_stream is not side:
+                side.wait_event(gathered)
             with torch.cuda.stream(side):
                 destination.put_rows(dst_ids[start:end], slot[:end - start])
             ring.release(slot_index, side)
-        done = torch.cuda.Event(enable_timing=True)
-        done.record(side)
-        return _Pending(copy.ticket, copy.purpose, nbytes, done, started)
 
     def _copy_in(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore, nbytes: int) -> _Pending:
         # Two streams, so the link moves slot k + 1 while slot k is scattered into its blocks.
-        main, copier, scatterer = torch.cuda.current_stream(self.device), self.stream, self.scatter_stream
+        main, copier, scatterer = torch.cuda.current_stream(self.device), self.load_stream, self.scatter_stream
         ring = self._ring("in", destination)
         src_ids = list(copy.src_block_ids)
+        # Only the scatters touch the destination blocks: the link starts at once, and the scatters
+        # wait for the step in flight when it may still use the blocks.
         if copy.after_inflight:
-            copier.wait_stream(main)
+            scatterer.wait_stream(main)
+        # A host block written back and loaded again before the write landed: the write first.
+        self._wait_for(copier, self._last_write, copy.src_block_ids)
         started = torch.cuda.Event(enable_timing=True)
         started.record(copier)
         with torch.cuda.stream(scatterer):
             # Allocated on the stream that reads it: freed by Python at return, its memory must not
             # be handed to the main stream while the scatters are still queued.
             dst_index = destination.block_index(copy.dst_block_ids)
+        dst_ids, gathered = copy.dst_block_ids, self._gathered
         for start, end in ring.chunks(len(src_ids)):
             slot_index, slot = ring.acquire(copier)
             with torch.cuda.stream(copier):
@@ -194,12 +286,17 @@ class KVTransfers:
             copied = torch.cuda.Event()
             copied.record(copier)
             scatterer.wait_event(copied)
+            if gathered:                # blocks evicted this step: their write-back gathers them first
+                for event in {id(e): e for e in (gathered.get(b) for b in dst_ids[start:end]) if e is not None}.values():
+                    scatterer.wait_event(event)
             with torch.cuda.stream(scatterer):
                 destination.scatter_bytes(dst_index[start:end], rows)
             ring.release(slot_index, scatterer)
         done = torch.cuda.Event(enable_timing=True)
         done.record(scatterer)
-        return _Pending(copy.ticket, copy.purpose, nbytes, done, started)
+        pending = _Pending(copy.ticket, copy.purpose, nbytes, done, started, host_ids=copy.src_block_ids)
+        self._last_read.update(dict.fromkeys(copy.src_block_ids, pending))
+        return pending
 
     def _store(self, name: str) -> KVCacheStore:
         store = self.stores.get(name)
@@ -208,8 +305,7 @@ class KVTransfers:
         return store
 
     def _write_backs_in_flight(self) -> int:
-        return sum(p.nbytes for p in self._pending
-                   if p.purpose == WRITE_BACK and p.done is not None and not p.done.query())
+        return sum(p.nbytes for p in self._pending if p.purpose == WRITE_BACK and p.in_flight())
 
     def measure_link(self, tier: str, max_bytes: int = 64 << 20) -> float:
         """Bytes per second of a load from `tier` into the device store, timed once (at start, on
@@ -227,17 +323,17 @@ class KVTransfers:
         return count * source.block_nbytes / max(time.perf_counter() - started, 1e-9)
 
     def fence(self) -> Optional[torch.cuda.Event]:
-        """An event that completes once every copy issued so far has landed (None without CUDA,
-        where copies ran at once)."""
-        if self.stream is None:
+        """An event that completes once every copy into the host issued so far has landed (None
+        without CUDA, where copies ran at once)."""
+        if self.write_stream is None:
             return None
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(self.write_stream)
         return event
 
     def synchronize(self) -> None:
         """Waits for every copy issued so far (before the tier frees memory a copy may touch)."""
-        for stream in (self.stream, self.scatter_stream):
+        for stream in (self.load_stream, self.write_stream, self.scatter_stream):
             if stream is not None:
                 stream.synchronize()
 
@@ -253,7 +349,7 @@ class KVTransfers:
                 oldest.done.synchronize()
         still = []
         for pending in self._pending:
-            if pending.done is not None and not pending.done.query():
+            if pending.in_flight():
                 still.append(pending)
                 continue
             self._finish(pending)
@@ -262,6 +358,13 @@ class KVTransfers:
         return report
 
     def _finish(self, pending: _Pending) -> None:
+        last = self._last_write if pending.writes_host else self._last_read
+        for host_id in pending.host_ids:
+            if last.get(host_id) is pending:
+                del last[host_id]
+        if pending.failed:
+            self._report.failed.append(pending.ticket)
+            return
         if pending.ticket is not None:
             self._report.landed.append(pending.ticket)
         if pending.purpose in (LOAD, SWAP_IN):
@@ -278,5 +381,5 @@ class KVTransfers:
 
     def make_stats(self) -> TransferStats:
         return TransferStats(self.bytes_to_device, self.bytes_to_host, self.loads, self.load_seconds,
-                             tuple(zip(LOAD_SECONDS_BUCKETS, self._load_buckets)), self.write_backs_dropped,
+                             tuple(zip(LOAD_SECONDS_BUCKETS, self._load_buckets)), self.write_back_blocks_dropped,
                              self.copy_failures)

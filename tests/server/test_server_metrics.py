@@ -141,7 +141,7 @@ def test_host_tier_metrics_come_from_the_kv_cache_stats():
     host = HostTierStats(num_blocks=64, used_blocks=10, hit_tokens=40, blocks_written=12, blocks_loaded=10,
                          blocks_evicted=2, writes_dropped=1, swapped_out=3, swapped_in=2, swap_failures=1)
     transfers = TransferStats(bytes_to_device=4096, bytes_to_host=8192, loads=3, load_seconds=0.03,
-                              load_buckets=((0.001, 1), (0.01, 1), (0.1, 0)), write_backs_dropped=2, copy_failures=1)
+                              load_buckets=((0.001, 1), (0.01, 1), (0.1, 0)), write_back_blocks_dropped=2, copy_failures=1)
     stats = EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600, host, transfers), 50, 20,
                         {"stop": 4})
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)

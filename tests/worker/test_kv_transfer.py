@@ -162,7 +162,20 @@ def test_a_load_from_a_write_back_that_was_dropped_fails_too():
                    BlockCopy(HOST_STORE, DEVICE_STORE, (6,), (4,), LOAD, ticket=2)])
     report = transfers.poll()
     assert report.lost_host_blocks == [5] and report.failed == [1] and report.landed == [2]
-    assert transfers.make_stats().write_backs_dropped == 1
+    assert transfers.make_stats().write_back_blocks_dropped == 1
+
+
+def test_a_write_back_past_the_bound_keeps_its_first_blocks_and_drops_the_rest():
+    device, host = _stores()
+    transfers = KVTransfers({DEVICE_STORE: device, HOST_STORE: host}, torch.device("cpu"),
+                            max_write_back_bytes=2 * device.block_nbytes + 1)
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, (1, 2, 3, 4), (5, 6, 7, 0), WRITE_BACK)])
+    report = transfers.poll()
+    assert report.lost_host_blocks == [7, 0]
+    assert torch.equal(host.read_blocks([5, 6]), device.read_blocks([1, 2]))
+    assert not torch.equal(host.read_blocks([7]), device.read_blocks([3]))
+    stats = transfers.make_stats()
+    assert stats.write_back_blocks_dropped == 2 and stats.bytes_to_host == 2 * device.block_nbytes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the transfer stream")
@@ -186,3 +199,53 @@ def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source():
         report = transfers.poll(wait=True)
     assert torch.equal(gpu.read_blocks(list(range(20, 60))), data[:40])
     assert transfers.make_stats().load_seconds > 0
+
+
+def _wait_landed(transfers: KVTransfers, ticket: int) -> None:
+    for _ in range(1000):
+        if ticket in transfers.poll(wait=True).landed:
+            return
+    raise AssertionError(f"copy {ticket} never landed")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the write and load streams")
+def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams():
+    """Writes and loads run on streams of their own; a host block is still written and read in
+    issue order (a load waits for the write that fills it, a write for the load still reading it)."""
+    from kvserve.kvstore import build_kv_cache_spec
+    spec = build_kv_cache_spec(num_layers=8, num_kv_heads=8, head_dim=128, model_dtype=torch.bfloat16)
+    count = 256                                  # 128 MiB a run: long enough for the streams to overlap
+    gpu = KVCacheStore.allocate(spec, 3 * count, 16, "cuda")
+    host = KVCacheStore.allocate_flat(spec, 2 * count, 16, pin_memory=True)
+    first = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
+    second = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"))
+    ids = tuple(range(count))
+    gpu.write_blocks(list(ids), first)
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, ids, ids)])
+    transfers.synchronize()
+    # A load of host blocks, then a write-back into the same host blocks while the load may still read them.
+    gpu.write_blocks(list(ids), second)
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, ids, tuple(range(count, 2 * count)), LOAD, ticket=1)])
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, ids, ids)])
+    _wait_landed(transfers, 1)
+    transfers.synchronize()
+    assert torch.equal(gpu.read_blocks(list(range(count, 2 * count))), first)
+    assert torch.equal(host.read_blocks(list(ids)), second)
+    # A write-back, then a load of the blocks it writes, issued before the write has landed.
+    spare = tuple(range(count, 2 * count))
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, ids, spare)])
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, spare, tuple(range(2 * count, 3 * count)), LOAD, ticket=2)])
+    _wait_landed(transfers, 2)
+    assert torch.equal(gpu.read_blocks(list(range(2 * count, 3 * count))), second)
+    # Blocks evicted (written back) and loaded into in one step: the write-back reads them before
+    # the load's scatters overwrite them, off the main stream.
+    gpu.write_blocks(list(range(2 * count, 3 * count)), first)
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(range(2 * count, 3 * count)), ids),
+                   BlockCopy(HOST_STORE, DEVICE_STORE, spare, tuple(range(2 * count, 3 * count)), LOAD, ticket=3)])
+    _wait_landed(transfers, 3)
+    transfers.synchronize()
+    assert torch.equal(host.read_blocks(list(ids)), first)
+    assert torch.equal(gpu.read_blocks(list(range(2 * count, 3 * count))), second)
+    transfers.poll()
+    assert not transfers._last_read and not transfers._last_write       # forgotten once landed
