@@ -2,7 +2,7 @@
 # One device call: the test suite on CUDA, then the benchmarks. Logs and JSON land in $OUT (named as
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
-#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [overload] [multiturn] [coldtiers] [press] [presstier]
+#   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [hostloadpair] [overload] [multiturn] [coldtiers] [press] [presstier]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -107,6 +107,17 @@ if [[ $what == *" hosttier "* ]]; then   # the host KV tier: its tests on CUDA, 
   timeout 400 python3 benchmarks/kv/host_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
     --dtype bfloat16 --kv-cache-memory ${HOST_LOAD_KV:-3GiB} --kv-host-memory 24GiB \
     --json "$OUT/h200_host_load_qwen7b.json" 2>&1 | tail -8 | tee "$OUT/gpu_host_load.log"
+fi
+if [[ $what == *" hostloadpair "* ]]; then   # host_load_bench, this tree against $OLD_SRC (a copy of an older kvserve), alternating
+  for round in ${PAIR_ROUNDS:-1 2}; do
+    for side in new old; do
+      root=$PWD; [[ $side == old ]] && root=$OLD_SRC
+      PYTHONPATH=$root:$PYTHONPATH timeout 200 python3 benchmarks/kv/host_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b \
+        --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB --kv-host-memory 24GiB --load-phases 1 --phase-steps 20 \
+        --json "$OUT/h200_host_load_pair_${side}_$round.json" > "$OUT/h200_host_load_pair_${side}_$round.log" 2>&1
+      echo "== $side $round"; grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_pair_${side}_$round.log" | cut -c1-400
+    done
+  done
 fi
 if [[ $what == *" overload "* ]]; then   # swap / auto / recompute preemption under overload
   timeout 500 python3 benchmarks/engine/preemption_bench.py --modes recompute,swap,auto --requests 64 --prompt-tokens 2048 \

@@ -111,6 +111,8 @@ class KVCacheManager:
         # GPU blocks freed, published or evicted since the last step's copies were taken: the step
         # in flight may still write or read them, so a load into one waits for it.
         self._touched: set[int] = set()
+        # This step's evicted blocks written back -> their depth in their prefix chains (BlockCopy.depths).
+        self._write_back_depths: dict[int, int] = {}
         # Swapped-out requests: their host blocks (in table order) and prefix-cache state.
         self._swapped: dict[str, tuple[list[int], Optional[_CacheState]]] = {}
         # Tiering: host blocks each request holds, recalls in flight (recall id -> request, GPU
@@ -133,22 +135,18 @@ class KVCacheManager:
         self._touched.update(cached.block_id for cached in evicted)     # their write-backs gather them on the main stream
         min_uses = self.write_back_min_uses
         kept = [cached for cached in evicted if cached.stats.count >= min_uses]
-        self._copy_to_host(kept, [cached.stats.depth for cached in kept])
+        self._write_back_depths.update((cached.block_id, cached.stats.depth) for cached in kept)
+        self._copy_to_host(kept)
 
-    def _copy_to_host(self, blocks: Sequence[BlockIdentity | CachedBlock], depths: Optional[Sequence[int]] = None) -> None:
+    def _copy_to_host(self, blocks: Sequence[BlockIdentity | CachedBlock]) -> None:
         """Queues the blocks' copies to the host tier (one run), except those the host already
-        holds (a full block never changes: one copy is enough). With their `depths` in their
-        prefix chains, the copies go shallowest first: a write-back cut short under back-pressure
-        loses the deep ends of prefixes, and the host still serves their fronts. (The host's own
-        eviction order stays the GPU's.)"""
+        holds (a full block never changes: one copy is enough)."""
         if not blocks:
             return
         host_ids = self.host_tier.store_many(blocks)
-        order = range(len(blocks)) if depths is None else sorted(range(len(blocks)), key=depths.__getitem__)
-        order = [index for index in order if host_ids[index] is not None]
-        if order:
-            self._queue_copies(DEVICE_STORE, HOST_STORE, [blocks[index].block_id for index in order],
-                               [host_ids[index] for index in order])
+        src_ids = [block.block_id for block, host_id in zip(blocks, host_ids) if host_id is not None]
+        if src_ids:
+            self._queue_copies(DEVICE_STORE, HOST_STORE, src_ids, [host_id for host_id in host_ids if host_id is not None])
 
     def _queue_copies(self, source: str, destination: str, src_ids: Sequence[int], dst_ids: Sequence[int],
                       purpose: str = WRITE_BACK, ticket: Optional[int] = None) -> None:
@@ -260,10 +258,13 @@ class KVCacheManager:
 
     def take_block_copies(self) -> list[BlockCopy]:
         """The copies this step's allocations need, in the order they must run."""
+        depths = self._write_back_depths
         copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket,
-                            after_inflight=destination != DEVICE_STORE or not self._touched.isdisjoint(dst))
+                            after_inflight=destination != DEVICE_STORE or not self._touched.isdisjoint(dst),
+                            depths=tuple(depths.get(block_id, 0) for block_id in src) if purpose == WRITE_BACK else ())
                   for source, destination, purpose, ticket, src, dst in self._pending_copies]
         self._pending_copies = []
+        self._write_back_depths = {}
         self._recall_batch = None
         self._touched = set()
         if self.host_tier is not None:

@@ -66,6 +66,9 @@ class BlockCopy:
     # still be written or read by it (freed, published or evicted since the last step was issued);
     # otherwise it starts at once.
     after_inflight: bool = True
+    # A write-back's source blocks' depths in their prefix chains (empty: unknown). Cut short under
+    # back-pressure, it drops the deepest first: the host keeps the fronts that hits pass through.
+    depths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):

@@ -20,8 +20,8 @@ in while other requests keep stepping on the main stream:
   for the load still reading it (`_last_write`, `_last_read`).
 - Write-backs are bounded: past `max_write_back_bytes` in flight, the blocks of a write-back that
   do not fit are dropped (their host blocks reported lost, so the tier forgets them) rather than
-  stalling the step. The KV manager queues each eviction's blocks shallowest first, so what is
-  dropped is the deep end of a prefix, not a block its hits pass through.
+  stalling the step. The deepest blocks (`BlockCopy.depths`) go first, so what is dropped is the
+  deep end of a prefix, not a block its hits pass through.
 
 Without CUDA every copy runs at once, in order, and its ticket is reported at the next poll: the
 same scheduling path, on plain memory.
@@ -95,9 +95,9 @@ class KVTransfers:
         # Per host block, the copy in flight that last wrote it and the one that last read it.
         self._last_write: dict[int, _Pending] = {}
         self._last_read: dict[int, _Pending] = {}
-        # While a step's copies are issued: its loads' destination blocks (-> their order), and the
-        # gather events of those written back off the main stream.
-        self._load_targets: dict[int, int] = {}
+        # While a step's copies are issued: its loads' destination blocks, and the gather events
+        # of those written back off the main stream.
+        self._load_targets: set[int] = set()
         self._gathered: dict[int, torch.cuda.Event] = {}
         self._rings: dict[str, StagingRing] = {}
         self._pending: list[_Pending] = []
@@ -116,11 +116,8 @@ class KVTransfers:
             return
         outs = [copy for copy in copies if copy.destination != DEVICE_STORE]
         ins = [copy for copy in copies if copy.destination == DEVICE_STORE]
-        # This step's load destinations, in order: blocks evicted to make room for them.
-        self._load_targets = {}
-        for copy in ins:
-            for block_id in copy.dst_block_ids:
-                self._load_targets.setdefault(block_id, len(self._load_targets))
+        # This step's load destinations: blocks evicted to make room for them.
+        self._load_targets = {block_id for copy in ins for block_id in copy.dst_block_ids}
         self._gathered = {}
         # Copies out first: a block evicted this step may be the target of one of this step's loads.
         lost_before = len(self._report.lost_host_blocks)
@@ -133,7 +130,7 @@ class KVTransfers:
                 self._lose(copy)
             else:
                 self._issue_logged(copy)
-        self._load_targets, self._gathered = {}, {}
+        self._load_targets, self._gathered = set(), {}
 
     def _issue_logged(self, copy: BlockCopy) -> None:
         """Issues a copy; a copy that fails at run time (a CUDA or allocation error) is logged,
@@ -162,17 +159,22 @@ class KVTransfers:
             self._report.lost_host_blocks.extend(copy.dst_block_ids)
 
     def _within_write_back_bound(self, copy: BlockCopy, block_nbytes: int) -> BlockCopy:
-        """The part of a write-back that fits under the bound (its first blocks: the shallowest);
-        the rest is dropped, its host blocks reported lost."""
+        """The part of a write-back that fits under the bound: its shallowest blocks (by
+        `copy.depths`; else its first), in their order. The rest is dropped, its host blocks
+        reported lost."""
+        count = len(copy.src_block_ids)
         room = max(0, self.max_write_back_bytes - self._write_backs_in_flight()) // block_nbytes
-        if room >= len(copy.src_block_ids):
+        if room >= count:
             return copy
-        dropped = copy.dst_block_ids[room:]
+        by_depth = sorted(range(count), key=copy.depths.__getitem__) if copy.depths else range(count)
+        kept = sorted(by_depth[:room])
+        dropped = sorted(set(range(count)).difference(kept))
         self.write_back_blocks_dropped += len(dropped)
-        self._report.lost_host_blocks.extend(dropped)
+        self._report.lost_host_blocks.extend(copy.dst_block_ids[index] for index in dropped)
         logger.debug("write-back of %d blocks: %d dropped, the bound (%d bytes) is in flight",
-                     len(copy.src_block_ids), len(dropped), self.max_write_back_bytes)
-        return replace(copy, src_block_ids=copy.src_block_ids[:room], dst_block_ids=copy.dst_block_ids[:room])
+                     count, len(dropped), self.max_write_back_bytes)
+        return replace(copy, src_block_ids=tuple(copy.src_block_ids[index] for index in kept),
+                       dst_block_ids=tuple(copy.dst_block_ids[index] for index in kept), depths=())
 
     def _issue(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore) -> None:
         if copy.purpose == WRITE_BACK:
@@ -217,13 +219,15 @@ class KVTransfers:
         self._wait_for(side, self._last_read, copy.dst_block_ids)
         started = torch.cuda.Event(enable_timing=True)
         started.record(main)
-        # Blocks this step's loads write next are gathered on the write stream, in the loads'
-        # order, so nothing but those loads' scatters waits for them (chunk by chunk, `_gathered`);
-        # the rest are gathered on the main stream before the forward that may overwrite them.
+        # Blocks this step's loads write next are gathered on the write stream, so nothing but
+        # those loads' scatters waits for them (chunk by chunk, `_gathered`); the rest are gathered
+        # on the main stream before the forward that may overwrite them. The copy's order is kept:
+        # it keeps the host ids in runs (one memcpy each), and a load takes its blocks in eviction
+        # order, so its first chunks wait only for the write-back's first.
         behind_loads = self._load_targets
         pairs = list(zip(copy.src_block_ids, copy.dst_block_ids))
         on_main = [pair for pair in pairs if pair[0] not in behind_loads]
-        off_main = sorted((pair for pair in pairs if pair[0] in behind_loads), key=lambda pair: behind_loads[pair[0]])
+        off_main = [pair for pair in pairs if pair[0] in behind_loads]
         if on_main:
             self._gather_and_put(self._ring("out", source), main, source, destination, on_main)
         if off_main:

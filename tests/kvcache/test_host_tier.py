@@ -357,3 +357,26 @@ def test_a_load_waits_for_the_step_in_flight_only_into_blocks_it_may_touch():
     manager.free("a")                                # its blocks are reused by the next load
     second = admit("b")
     assert set(second.dst_block_ids) & set(first.dst_block_ids) and second.after_inflight
+
+
+def test_a_write_back_says_how_deep_each_block_is_in_its_prefix():
+    """An eviction's write-back carries each block's depth in its chain: cut short under back-pressure,
+    the worker drops the deep end, not the blocks every hit on the prefix passes through."""
+    from kvserve.kvcache.manager import KVCacheManager
+    from kvserve.kvcache.policies import make_policy
+    from kvserve.kvcache.prefix_cache import PrefixCache
+    from kvserve.kvstore import DEVICE_STORE, HOST_STORE, WRITE_BACK
+    manager = KVCacheManager(4, BLOCK, PrefixCache(make_policy("lru", num_blocks=4)), HostTier(8))
+    seq = _Seq("a", [7] * (3 * BLOCK) + [1])
+    assert manager.allocate_slots("a", seq.num_tokens, manager.find_cached_prefix(seq), seq)
+    manager.cache_full_blocks("a", seq.num_tokens)
+    table = list(manager.block_table("a"))
+    manager.free("a")
+    manager.take_block_copies()
+    other = _Seq("b", [9] * (3 * BLOCK) + [2])
+    assert manager.allocate_slots("b", other.num_tokens, manager.find_cached_prefix(other), other)
+    (write_back,) = [copy for copy in manager.take_block_copies() if copy.purpose == WRITE_BACK]
+    assert (write_back.source, write_back.destination) == (DEVICE_STORE, HOST_STORE)
+    depth_of = {block_id: depth for depth, block_id in enumerate(table[:3])}
+    assert sorted(write_back.src_block_ids) == sorted(depth_of)
+    assert write_back.depths == tuple(depth_of[block_id] for block_id in write_back.src_block_ids)

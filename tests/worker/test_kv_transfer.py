@@ -176,6 +176,10 @@ def test_a_write_back_past_the_bound_keeps_its_first_blocks_and_drops_the_rest()
     assert not torch.equal(host.read_blocks([7]), device.read_blocks([3]))
     stats = transfers.make_stats()
     assert stats.write_back_blocks_dropped == 2 and stats.bytes_to_host == 2 * device.block_nbytes
+    # With the blocks' depths in their prefix chains, the deepest are dropped, the rest keep their order.
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, (4, 5, 6, 7), (1, 2, 3, 4), WRITE_BACK, depths=(9, 0, 7, 3))])
+    assert transfers.poll().lost_host_blocks == [1, 3]
+    assert torch.equal(host.read_blocks([2, 4]), device.read_blocks([5, 7]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the transfer stream")
@@ -211,41 +215,52 @@ def _wait_landed(transfers: KVTransfers, ticket: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the write and load streams")
 def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams():
     """Writes and loads run on streams of their own; a host block is still written and read in
-    issue order (a load waits for the write that fills it, a write for the load still reading it)."""
+    issue order (a load waits for the write that fills it, a write for the load still reading it),
+    and a block evicted and loaded into in one step is gathered before the load overwrites it.
+    Each case holds back the stream that must go first (a GPU sleep), so a missing wait shows."""
     from kvserve.kvstore import build_kv_cache_spec
-    spec = build_kv_cache_spec(num_layers=8, num_kv_heads=8, head_dim=128, model_dtype=torch.bfloat16)
-    count = 256                                  # 128 MiB a run: long enough for the streams to overlap
+    spec = build_kv_cache_spec(num_layers=4, num_kv_heads=4, head_dim=64, model_dtype=torch.bfloat16)
+    count = 32
     gpu = KVCacheStore.allocate(spec, 3 * count, 16, "cuda")
     host = KVCacheStore.allocate_flat(spec, 2 * count, 16, pin_memory=True)
     first = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
     second = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
     transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"))
-    ids = tuple(range(count))
+    ids, spare, third = tuple(range(count)), tuple(range(count, 2 * count)), tuple(range(2 * count, 3 * count))
+    stall = 200_000_000                     # GPU cycles: ~0.1 s
+
+    def hold(stream: torch.cuda.Stream) -> None:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(stall)
+
     gpu.write_blocks(list(ids), first)
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, ids, ids)])
     transfers.synchronize()
-    # A load of host blocks, then a write-back into the same host blocks while the load may still read them.
+    # A load of host blocks (held back), then a write-back into them: the write waits for the read.
     gpu.write_blocks(list(ids), second)
-    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, ids, tuple(range(count, 2 * count)), LOAD, ticket=1)])
+    hold(transfers.load_stream)
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, ids, spare, LOAD, ticket=1, after_inflight=False)])
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, ids, ids)])
     _wait_landed(transfers, 1)
     transfers.synchronize()
-    assert torch.equal(gpu.read_blocks(list(range(count, 2 * count))), first)
+    assert torch.equal(gpu.read_blocks(list(spare)), first)
     assert torch.equal(host.read_blocks(list(ids)), second)
-    # A write-back, then a load of the blocks it writes, issued before the write has landed.
-    spare = tuple(range(count, 2 * count))
+    # A write-back (held back), then a load of the host blocks it writes: the load waits for the write.
+    hold(transfers.write_stream)
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, ids, spare)])
-    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, spare, tuple(range(2 * count, 3 * count)), LOAD, ticket=2)])
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, spare, third, LOAD, ticket=2, after_inflight=False)])
     _wait_landed(transfers, 2)
-    assert torch.equal(gpu.read_blocks(list(range(2 * count, 3 * count))), second)
-    # Blocks evicted (written back) and loaded into in one step: the write-back reads them before
-    # the load's scatters overwrite them, off the main stream.
-    gpu.write_blocks(list(range(2 * count, 3 * count)), first)
-    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(range(2 * count, 3 * count)), ids),
-                   BlockCopy(HOST_STORE, DEVICE_STORE, spare, tuple(range(2 * count, 3 * count)), LOAD, ticket=3)])
+    assert torch.equal(gpu.read_blocks(list(third)), second)
+    # Blocks evicted (written back) and loaded into in one step: the write-back (held back, off the
+    # main stream) reads them before the load's scatters overwrite them.
+    transfers.synchronize()
+    gpu.write_blocks(list(third), first)
+    hold(transfers.write_stream)
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, third, ids),
+                   BlockCopy(HOST_STORE, DEVICE_STORE, spare, third, LOAD, ticket=3, after_inflight=False)])
     _wait_landed(transfers, 3)
     transfers.synchronize()
     assert torch.equal(host.read_blocks(list(ids)), first)
-    assert torch.equal(gpu.read_blocks(list(range(2 * count, 3 * count))), second)
+    assert torch.equal(gpu.read_blocks(list(third)), second)
     transfers.poll()
     assert not transfers._last_read and not transfers._last_write       # forgotten once landed
