@@ -45,8 +45,12 @@ logger = logging.getLogger(__name__)
 # Upper bounds (seconds) of the load-latency histogram's buckets: a few blocks take tens of
 # microseconds, a 32k-token prefix of a 7B model tens of milliseconds.
 LOAD_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-# Write-back bytes allowed in flight before further write-backs are dropped (~20 ms of PCIe 5).
-DEFAULT_MAX_WRITE_BACK_BYTES = 1 << 30
+# Write-back bytes allowed in flight before further write-backs are dropped (~80 ms of PCIe 5).
+# Most of what is "in flight" waits for the forward already queued, not for the link: with the
+# step launched ahead, two steps' write-backs are outstanding when a third is issued, and an 8k-token
+# prefill chunk of a 7B model evicts 470 MB, a 32k-token load 1.9 GB at once. At 1 GiB, chunks of a
+# prefix that was being written back were dropped, and a later hit found only part of it.
+DEFAULT_MAX_WRITE_BACK_BYTES = 4 << 30
 # Staging per direction on a GPU (kvstore/staging.py): a step's write-backs up to this size never
 # make the main stream wait for the host copy.
 DEVICE_STAGING_BYTES = 256 << 20
