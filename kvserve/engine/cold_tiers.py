@@ -1,7 +1,7 @@
 """The engine's side of the tiers below host RAM (disk, remote): what goes down, what comes up.
 
 Down: every block the host tier receives is also written to the cold stores, once its bytes have
-landed in host memory (a fence on the transfer stream, checked at the next steps without waiting)
+landed in host memory (a fence on the write stream, checked at the next steps without waiting)
 and only if the host block still holds it then (a write-back dropped under back-pressure, or a host
 block reused since, is skipped: a cold store never gets bytes that are not the block's). Writing
 on arrival rather than on host eviction costs the same bytes (each block is written once, ever)

@@ -18,7 +18,7 @@ prompt's end the ranking runs on the last prompt token's query with the press's 
 resident set; since nothing has left the GPU yet, the warm set is simply the best-ranked blocks.
 Then every `kv_tier_interval` decode steps the step's own query is recorded and ranked on, and up
 to `kv_tier_recall_blocks` cold blocks that rank within the budget are recalled: copied into fresh
-GPU blocks on the transfer stream while the request keeps decoding over what it has; once a copy
+GPU blocks on the load stream while the request keeps decoding over what it has; once a copy
 has landed the block takes the place of the worst-ranked warm block (which is freed; its host
 copy stays). Attention reads only the table, whose order does not
 matter (RoPE is in the keys): the table's blocks are the resident ones, the request's KV length

@@ -342,7 +342,7 @@ class _EngineStateCollector:
             yield moved
             yield counter("kv_host_blocks_evicted", "Host KV blocks reused for newer blocks.", host.blocks_evicted)
             transfers = snap.kv_transfers
-            yield counter("kv_host_writes_dropped", "Write-backs to the host tier skipped (every host block was being "
+            yield counter("kv_host_writes_dropped", "Blocks not written back to the host tier (every host block was being "
                           "read that step, or too many write-back bytes were in flight).",
                           host.writes_dropped + (transfers.write_back_blocks_dropped if transfers is not None else 0))
             if transfers is not None:
