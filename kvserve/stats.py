@@ -218,6 +218,8 @@ class SchedulerStats:
     # GPU KV blocks held by each tenant's running and loading requests (None: requests without one).
     kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)
     classes: tuple[ClassLatencyStats, ...] = ()       # request classes (--qos-config), by name
+    # Tenants with a KV quota (--qos-config): (GPU blocks resident, running plus cached; the quota).
+    kv_quotas: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -153,3 +153,20 @@ def assert_decode_close(errors: "torch.Tensor", tolerance: tuple[float, float], 
     assert decode.mean() <= mean_bound and decode.max() <= max_bound, (
         f"decode logprobs over {what}: mean |diff| {decode.mean():.4f} (bound {mean_bound}), "
         f"max {decode.max():.4f} (bound {max_bound})")
+
+
+class ManagerSequence:
+    """A HashedSequence (kvserve/kvcache/prefix_cache.py) for driving the KV manager without an engine."""
+
+    def __init__(self, request_id: str, tokens: list[int], namespace: str = "t") -> None:
+        from kvserve.kvcache.prefix_cache import namespace_root
+        self.request_id, self.tokens = request_id, tokens
+        self.block_hashes: list[bytes] = []
+        self.cache_root, self.cache_namespace = namespace_root(namespace), namespace
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]

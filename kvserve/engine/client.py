@@ -66,6 +66,7 @@ class EngineSnapshot:
     presses: tuple[PressStats, ...] = ()              # KV presses that have run (docs/kv_compression.md)
     kv_blocks_by_tenant: dict[Optional[str], int] = field(default_factory=dict)   # running + loading requests'
     qos_classes: tuple[ClassLatencyStats, ...] = ()   # request classes (--qos-config; docs/qos.md)
+    kv_quotas: dict[str, tuple[int, int]] = field(default_factory=dict)   # tenant -> (resident blocks, quota)
     # Per tenant: requests that left the engine and their tokens; the fair policy's counters (None:
     # another policy). /metrics and the operator's /v1/usage read these.
     tenant_usage: dict[Optional[str], TenantUsage] = field(default_factory=dict)
@@ -100,6 +101,7 @@ class EngineSnapshot:
                    kv_cold_writes_dropped=kv.cold_writes_dropped, kv_cold_prefetches=dict(kv.cold_prefetches),
                    presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total,
                    kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), qos_classes=tuple(sched.classes),
+                   kv_quotas=dict(sched.kv_quotas),
                    tenant_usage=dict(stats.tenant_usage), fair_share=stats.fair_share, **latency)
 
 

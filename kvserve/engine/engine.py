@@ -344,7 +344,7 @@ class Engine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
         if forced_token_ids is not None:
             self._check_forced(forced_token_ids, params, max_tokens, vocab)
-        self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1))
+        self.scheduler.check_admissible(len(prompt_ids), max(max_tokens, 1), cache_opts.tenant)
         namespace = self.prefix.namespace(cache_opts.tenant, cache_opts.cache_salt)
         self.scheduler.check_overload(prompt_ids, max(max_tokens, 1), params.n, arrival_time, namespace, qos_class)
         if cache_opts.pin_ttl is not None:

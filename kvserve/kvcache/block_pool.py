@@ -4,12 +4,16 @@ The pool owns reference counts; nobody else keeps a copy. A block with no owner 
 *empty* (in the FIFO queue, content meaningless) or, with prefix caching, *cached*: it keeps its
 KV and stays addressable by hash until the prefix cache's eviction policy gives it up. Both count
 as free: an allocation takes empty blocks first and evicts cached ones only when none are left.
+
+Each block in use or cached also has the tenant whose request brought it in (its *owner*), so a
+tenant's resident KV (running plus cached prefixes) can be held to a quota: `owned` and
+`evictable_owned` count them, and `evict_own` frees a tenant's own cached blocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Iterable, Optional
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Collection, Iterable, Optional
 
 if TYPE_CHECKING:
     from kvserve.kvcache.prefix_cache import PrefixCache
@@ -28,6 +32,9 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         # FIFO reuse spreads writes over the pool.
         self._empty: deque[int] = deque(range(num_blocks))
+        self._owner: list[Optional[str]] = [None] * num_blocks
+        self.owned: Counter[str] = Counter()            # tenant -> its blocks in use or cached
+        self.evictable_owned: Counter[str] = Counter()  # tenant -> of those, cached with no owner
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,17 +52,45 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, owner: Optional[str] = None) -> list[int]:
         if count > self.num_free_blocks:
             raise BlockPoolError(f"asked for {count} blocks with {self.num_free_blocks} free")
         empty = self._empty
         blocks = [empty.popleft() for _ in range(min(count, len(empty)))]
         if len(blocks) < count:         # the rest from the cache, in one eviction
-            blocks += self.cache.evict_many(count - len(blocks))
-        ref_counts = self._ref_counts
+            evicted = self.cache.evict_many(count - len(blocks))
+            self._disown(evicted, evictable=True)
+            blocks += evicted
+        ref_counts, owners = self._ref_counts, self._owner
         for block_id in blocks:
             ref_counts[block_id] = 1
+            owners[block_id] = owner
+        if owner is not None:
+            self.owned[owner] += count
         return blocks
+
+    def evict_own(self, owner: str, count: int, keep: Collection[int] = ()) -> int:
+        """Evicts up to `count` of `owner`'s cached blocks (policy order among them, none of `keep`)
+        into the empty queue's front, so the owner's next allocation takes them; returns how many."""
+        owners = self._owner
+        evicted = self.cache.evict_many(
+            count, among=lambda block_id: owners[block_id] == owner and block_id not in keep)
+        self._disown(evicted, evictable=True)
+        self._empty.extendleft(reversed(evicted))
+        return len(evicted)
+
+    def owner_of(self, block_id: int) -> Optional[str]:
+        return self._owner[block_id]
+
+    def _disown(self, blocks: Iterable[int], evictable: bool) -> None:
+        owners = self._owner
+        for block_id in blocks:
+            owner = owners[block_id]
+            if owner is not None:
+                owners[block_id] = None
+                self.owned[owner] -= 1
+                if evictable:
+                    self.evictable_owned[owner] -= 1
 
     def share(self, block_id: int) -> None:
         """Adds an owner to a block that is already in use."""
@@ -69,6 +104,9 @@ class BlockPool:
             raise BlockPoolError(f"block {block_id} is not a cached block")
         if self._ref_counts[block_id] == 0:
             self.cache.on_acquire(block_id)
+            owner = self._owner[block_id]
+            if owner is not None:
+                self.evictable_owned[owner] -= 1
         self._ref_counts[block_id] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -82,5 +120,9 @@ class BlockPool:
             if count == 1:
                 if self.cache is not None and self.cache.holds(block_id):
                     self.cache.on_release(block_id)
+                    owner = self._owner[block_id]
+                    if owner is not None:
+                        self.evictable_owned[owner] += 1
                 else:
+                    self._disown((block_id,), evictable=False)
                     self._empty.append(block_id)

@@ -98,6 +98,11 @@ class KVCacheManager:
         # Selective: an evicted block is copied only if this many requests used it.
         self.write_back_min_uses = write_back_min_uses
         self.pool = BlockPool(num_blocks, prefix_cache)
+        # Tenant -> GPU blocks it may hold resident (running plus cached; the scheduler sets them
+        # from --qos-config). At its quota a tenant's allocations evict its own cached blocks, and
+        # when it has none left to evict they fail: it waits, and no one else's prefix goes for it.
+        self.tenant_kv_quotas: dict[str, int] = {}
+        self._tenant_of: dict[str, str] = {}
         self._block_tables: dict[str, list[int]] = {}
         self._cache_states: dict[str, _CacheState] = {}
         # This step's copies as runs: (source, destination, purpose, ticket, source ids, destination ids).
@@ -237,14 +242,14 @@ class KVCacheManager:
         self._swapped[request_id] = (host_ids, state)
         return True
 
-    def _swap_in(self, request_id: str, num_total_tokens: int) -> bool:
+    def _swap_in(self, request_id: str, num_total_tokens: int, tenant: Optional[str]) -> bool:
         host_ids, state = self._swapped[request_id]
         needed = blocks_for_tokens(num_total_tokens, self.block_size)
-        if needed > self.pool.num_free_blocks:
+        if needed > self.pool.num_free_blocks or not self._make_quota_room(tenant, needed, ()):
             return False
         del self._swapped[request_id]
         self.host_tier.swap_in(host_ids)        # held before allocating: write-backs must not take them
-        table = self._block_tables[request_id] = self.pool.allocate(needed)
+        table = self._block_tables[request_id] = self.pool.allocate(needed, tenant)
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, table[:len(host_ids)], SWAP_IN,
                            self._new_ticket(request_id, SWAP_IN, host_ids))
         if state is not None:
@@ -386,20 +391,44 @@ class KVCacheManager:
         return pin, self.prefix_cache.num_cached_of(hashes)
 
     # --- allocation ---------------------------------------------------------------------------------
+    def quota_shortfall(self, tenant: Optional[str], needed: int, keep: Sequence[int] = ()) -> int:
+        """Blocks by which `needed` more would put `tenant` over its KV quota once it has evicted
+        all its own cached blocks (except `keep`: a prefix hit about to be taken); 0 if they fit."""
+        quota = self.tenant_kv_quotas.get(tenant) if tenant is not None else None
+        if quota is None:
+            return 0
+        pool = self.pool
+        over = pool.owned[tenant] + needed - quota
+        if over <= 0:
+            return 0
+        kept_own = sum(1 for block_id in keep if pool.ref_count(block_id) == 0 and pool.owner_of(block_id) == tenant)
+        return max(0, over - (pool.evictable_owned[tenant] - kept_own))
+
+    def kv_blocks_of(self, tenant: str) -> int:
+        """GPU blocks the tenant's requests brought in that are still resident (running or cached)."""
+        return self.pool.owned[tenant]
+
     def allocate_slots(self, request_id: str, num_total_tokens: int, prefix: Optional[PrefixHit] = None,
-                       sequence: Optional[HashedSequence] = None) -> bool:
+                       sequence: Optional[HashedSequence] = None, tenant: Optional[str] = None) -> bool:
         """Grows the request's table to hold `num_total_tokens`; False (nothing changed) if the pool
-        lacks the blocks, so the scheduler can preempt and retry. A first allocation may start the
-        table with a prefix hit, and with `sequence` (a prefix-cache-enabled request) the
-        request's full blocks are published to the cache as they are computed."""
+        lacks the blocks, or its `tenant` would go over its KV quota (`quota_shortfall`), so the
+        scheduler can preempt and retry. A first allocation may start the table with a prefix hit,
+        and with `sequence` (a prefix-cache-enabled request) the request's full blocks are
+        published to the cache as they are computed."""
+        if tenant is None:
+            tenant = self._tenant_of.get(request_id)
         if request_id in self._swapped:
-            return self._swap_in(request_id, num_total_tokens)
+            return self._swap_in(request_id, num_total_tokens, tenant)
         table = self._block_tables.get(request_id)
         if table is not None:
             prefix = None       # hits only start a table
         needed = self.num_new_blocks_needed(request_id, num_total_tokens, prefix)
         if needed > self.pool.num_free_blocks:
             return False
+        if not self._make_quota_room(tenant, needed, prefix.block_ids if prefix is not None else ()):
+            return False
+        if tenant is not None:
+            self._tenant_of[request_id] = tenant
         if table is None:
             table = self._block_tables[request_id] = []
             if prefix is not None and prefix.block_ids:
@@ -408,7 +437,7 @@ class KVCacheManager:
                 table.extend(prefix.block_ids)
             num_device_hits = len(table)
             if prefix is not None and prefix.host_block_ids:
-                self._load_from_host(request_id, prefix.host_block_ids, table)
+                self._load_from_host(request_id, prefix.host_block_ids, table, tenant)
             if self.prefix_cache is not None and sequence is not None:
                 # Loaded blocks are published to the GPU cache like computed ones, after the step.
                 state = self._cache_states[request_id] = _CacheState(sequence, num_published=num_device_hits)
@@ -418,15 +447,28 @@ class KVCacheManager:
                     self.prefix_cache.observe_lookup(sequence.block_hashes[:prefix.num_query_blocks])
         new = blocks_for_tokens(num_total_tokens, self.block_size) - len(table)
         if new > 0:
-            table.extend(self.pool.allocate(new))
+            table.extend(self.pool.allocate(new, tenant))
         return True
 
-    def _load_from_host(self, request_id: str, host_ids: list[int], table: list[int]) -> None:
+    def _make_quota_room(self, tenant: Optional[str], needed: int, keep: Sequence[int]) -> bool:
+        """Evicts the tenant's own cached blocks so `needed` more fit its quota; False (nothing
+        evicted) if even that is not enough."""
+        if tenant is None or tenant not in self.tenant_kv_quotas:
+            return True
+        if self.quota_shortfall(tenant, needed, keep) > 0:
+            return False
+        over = self.pool.owned[tenant] + needed - self.tenant_kv_quotas[tenant]
+        if over > 0:
+            self.pool.evict_own(tenant, over, frozenset(keep))
+        return True
+
+    def _load_from_host(self, request_id: str, host_ids: list[int], table: list[int],
+                        tenant: Optional[str] = None) -> None:
         # Held first: allocating may evict GPU blocks, and their write-backs must not take the host
         # blocks these loads read. The write-backs are queued first, so they read their GPU blocks
         # before these loads overwrite them.
         self.host_tier.begin_load(host_ids, self.block_size)
-        device_ids = self.pool.allocate(len(host_ids))
+        device_ids = self.pool.allocate(len(host_ids), tenant)
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids, LOAD,
                            self._new_ticket(request_id, LOAD, list(host_ids)))
         table.extend(device_ids)
@@ -436,6 +478,7 @@ class KVCacheManager:
         if swapped is not None:
             self.host_tier.release(swapped[0])
         self._free_tiering(request_id)
+        self._tenant_of.pop(request_id, None)
         table = self._block_tables.pop(request_id, None)
         state = self._cache_states.pop(request_id, None)
         if not table:
@@ -510,7 +553,7 @@ class KVCacheManager:
             raise ValueError(f"request {request_id} holds no host block {host_id}")
         if self.pool.num_free_blocks < 1:
             return None
-        block_id = self.pool.allocate(1)[0]
+        block_id = self.pool.allocate(1, self._tenant_of.get(request_id))[0]
         recall_id, self._next_recall = self._next_recall, self._next_recall + 1
         last = self._pending_copies[-1] if self._pending_copies else None
         if self._recall_batch is not None and last is not None and last[3] == self._recall_batch:

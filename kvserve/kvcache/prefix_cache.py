@@ -251,14 +251,20 @@ class PrefixCache:
         """Forgets the policy's victim and returns its block id, now empty."""
         return self.evict_many(1)[0]
 
-    def evict_many(self, count: int) -> list[int]:
-        """Forgets the policy's next `count` victims, in order, and returns their block ids, now empty."""
+    def evict_many(self, count: int, among: Optional[Callable[[int], bool]] = None) -> list[int]:
+        """Forgets the policy's next `count` victims (only blocks `among` accepts, when given: a
+        tenant at its KV quota evicts its own), in order, and returns their block ids, now empty."""
         self._expire_pins()
-        pop, by_block, by_hash, policy = self._evictor.pop, self._by_block, self._by_hash, self.policy
+        by_block, by_hash, policy = self._by_block, self._by_hash, self.policy
         label = policy.label
+        if among is None:
+            pop = self._evictor.pop
+            chosen = [pop() for _ in range(count)]
+        else:
+            chosen = self._evictor.pop_matching(among, count)
+            count = len(chosen)
         victims: list[CachedBlock] = []
-        for _ in range(count):
-            block_id, priority = pop()
+        for block_id, priority in chosen:
             cached = by_block.pop(block_id)
             del by_hash[cached.block_hash]
             victims.append(cached)

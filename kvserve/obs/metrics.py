@@ -236,6 +236,9 @@ TENANT_METRIC_NAMES = (
     f"{NAMESPACE}:tenant_cached_prompt_tokens_total",
     f"{NAMESPACE}:tenant_generation_tokens_total",
     f"{NAMESPACE}:tenant_time_to_first_token_seconds",
+    f"{NAMESPACE}:tenant_kv_blocks",
+    f"{NAMESPACE}:tenant_kv_resident_blocks",
+    f"{NAMESPACE}:tenant_kv_quota_blocks",
 )
 
 
@@ -309,6 +312,16 @@ class _EngineStateCollector:
             for label, blocks in sorted(totals.items()):
                 family.add_metric(values + [label], blocks)
             yield family
+        if snap.kv_quotas:      # tenants named in --qos-config: a bounded set
+            resident = GaugeMetricFamily(f"{NAMESPACE}:tenant_kv_resident_blocks", "GPU KV blocks a tenant with a "
+                                         "KV quota holds: running and cached.", labels=labels + ["tenant"])
+            quota = GaugeMetricFamily(f"{NAMESPACE}:tenant_kv_quota_blocks", "The tenant's KV quota (--qos-config).",
+                                      labels=labels + ["tenant"])
+            for tenant, (blocks, limit) in sorted(snap.kv_quotas.items()):
+                resident.add_metric(values + [tenant], blocks)
+                quota.add_metric(values + [tenant], limit)
+            yield resident
+            yield quota
 
         yield from self._class_families(snap, labels, values)
 

@@ -12,6 +12,8 @@ or a file that does not parse is a ValueError naming it.
     tenants:
       alice: {weight: 3, default_class: gold}
       bob: {weight: 1, classes: [silver, bronze]}  # the classes bob's requests may name
+      carol: {kv_quota_fraction: 0.25}             # at most a quarter of the GPU KV blocks resident
+      dave: {kv_quota_blocks: 2048}                # or a number of blocks
     default_weight: 1      # tenants not listed, and requests without a tenant
 """
 
@@ -45,6 +47,10 @@ class TenantPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     weight: float = 1.0
     default_class: Optional[str] = None
     classes: Optional[list[str]] = None       # the classes it may name; None: any
+    # Its KV quota: GPU blocks resident at once, running plus cached prefixes (kvcache/manager.py),
+    # as a count or a fraction of the pool; none: no quota.
+    kv_quota_blocks: Optional[int] = None
+    kv_quota_fraction: Optional[float] = None
 
 
 class QoSConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -52,6 +58,16 @@ class QoSConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     default_class: Optional[str] = None
     tenants: dict[str, TenantPolicy] = {}
     default_weight: float = 1.0
+
+    def kv_quotas(self, num_blocks: int) -> dict[str, int]:
+        """Tenant -> the GPU KV blocks it may hold, for a pool of `num_blocks` (tenants with a quota)."""
+        quotas = {}
+        for tenant, policy in self.tenants.items():
+            if policy.kv_quota_blocks is not None:
+                quotas[tenant] = policy.kv_quota_blocks
+            elif policy.kv_quota_fraction is not None:
+                quotas[tenant] = max(1, int(policy.kv_quota_fraction * num_blocks))
+        return quotas
 
     def weight_of(self, tenant: Optional[str]) -> float:
         policy = self.tenants.get(tenant) if tenant is not None else None
@@ -99,6 +115,14 @@ def load_qos_config(path: Optional[str]) -> QoSConfig:
             (f"tenants.{tenant}.weight", policy.weight) for tenant, policy in config.tenants.items()]:
         if not weight > 0:
             raise ValueError(f"--qos-config {path}: {name} must be a positive number, got {weight}")
+    for tenant, policy in config.tenants.items():
+        where = f"--qos-config {path}: tenants.{tenant}"
+        if policy.kv_quota_blocks is not None and policy.kv_quota_fraction is not None:
+            raise ValueError(f"{where} has both kv_quota_blocks and kv_quota_fraction; give one")
+        if policy.kv_quota_blocks is not None and policy.kv_quota_blocks < 1:
+            raise ValueError(f"{where}.kv_quota_blocks must be at least 1, got {policy.kv_quota_blocks}")
+        if policy.kv_quota_fraction is not None and not 0 < policy.kv_quota_fraction <= 1:
+            raise ValueError(f"{where}.kv_quota_fraction must be in (0, 1], got {policy.kv_quota_fraction}")
     return config
 
 

@@ -91,6 +91,7 @@ class Scheduler:
         self._admission_watermark_blocks = max(1, kv_manager.num_blocks // 100)
         # Fair share between tenants (kvserve/sched/fair_share.py); the config is checked here, at start.
         self.qos = qos = load_qos_config(config.qos_config)
+        kv_manager.tenant_kv_quotas = qos.kv_quotas(kv_manager.num_blocks)
         self.fair: Optional[VirtualTokenCounters] = (VirtualTokenCounters(qos) if config.scheduling_policy == "fair"
                                                      else None)
         # Request classes (kvserve/sched/qos_classes.py) run at their priority: they need its order.
@@ -107,7 +108,7 @@ class Scheduler:
                                              if targets.enabled or self.classes is not None else None)
 
     # --- admission ----------------------------------------------------------------------------
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int, tenant: Optional[str] = None) -> None:
         if num_prompt_tokens < 1:
             raise RequestRejected("the prompt is empty")
         if num_prompt_tokens + max_tokens > self.max_model_len:
@@ -126,6 +127,10 @@ class Scheduler:
         if needed > self.kv_manager.num_blocks:
             raise RequestRejected(
                 f"the request needs {needed} KV blocks but the cache has {self.kv_manager.num_blocks}")
+        quota = self.kv_manager.tenant_kv_quotas.get(tenant) if tenant is not None else None
+        if quota is not None and needed > quota:
+            raise RequestRejected(f"the request needs {needed} KV blocks but tenant {tenant!r} may hold at most "
+                                  f"{quota} (its kv_quota in --qos-config)")
 
     def check_overload(self, prompt_token_ids: list[int], max_tokens: int, num_requests: int = 1,
                        arrival_time: Optional[float] = None, namespace: str = "",
@@ -210,7 +215,7 @@ class Scheduler:
     def add_request(self, request: Request, prefetching: bool = False) -> None:
         """Queues a request; with `prefetching` it is held until `end_prefetch` (its prefix is on its
         way up from a cold tier), counted as waiting meanwhile."""
-        self.check_admissible(request.num_prompt_tokens, request.max_tokens)
+        self.check_admissible(request.num_prompt_tokens, request.max_tokens, request.tenant)
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -330,9 +335,13 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(num_new, budget)
-            while not self.kv_manager.allocate_slots(request.request_id, request.num_kv_tokens + num_new):
-                # Victims come from the back, which this loop has not scheduled yet.
-                victim = self.running.pop()
+            while not self.kv_manager.allocate_slots(request.request_id, request.num_kv_tokens + num_new,
+                                                     tenant=request.tenant):
+                # Victims come from the back, which this loop has not scheduled yet: for a tenant at
+                # its KV quota, its own (freeing anyone else's blocks would not help it).
+                victim = self._quota_victim(index, request, request.num_kv_tokens + num_new)
+                if victim is None:
+                    victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -489,8 +498,10 @@ class Scheduler:
             needed = self.kv_manager.num_new_blocks_needed(request.request_id, kv_base + num_new, hit)
             if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
                 break
+            if self.kv_manager.quota_shortfall(request.tenant, needed, hit.block_ids if hit is not None else ()):
+                continue                # its tenant is at its KV quota: it waits, others may go
             if not self.kv_manager.allocate_slots(request.request_id, kv_base + num_new, hit,
-                                                  request if caching else None):
+                                                  request if caching else None, tenant=request.tenant):
                 break
             if self.waiting[0] is request:
                 self.waiting.popleft()
@@ -529,6 +540,18 @@ class Scheduler:
         if mode == "auto":
             return self.preemption_cost.prefers_swap(request.num_computed_tokens)
         return mode == "swap"
+
+    def _quota_victim(self, index: int, request: Request, num_total_tokens: int) -> Optional[Request]:
+        """When `request` (at `running[index]`) cannot grow to `num_total_tokens` because its tenant
+        is at its KV quota: the tenant's last running request not yet scheduled this step (maybe
+        `request`), taken out of `running`. None when the quota is not what stops it."""
+        needed = self.kv_manager.num_new_blocks_needed(request.request_id, num_total_tokens)
+        if not self.kv_manager.quota_shortfall(request.tenant, needed):
+            return None
+        for position in range(len(self.running) - 1, index - 1, -1):
+            if self.running[position].tenant == request.tenant:
+                return self.running.pop(position)
+        return None
 
     def _preempt(self, request: Request) -> None:
         """Swap (its KV to the host tier, kept computed) where configured (or, with auto, cheaper)
@@ -625,9 +648,11 @@ class Scheduler:
         for request in itertools.chain(self.running, self.loading.values()):
             by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + len(
                 self.kv_manager.block_table(request.request_id))
+        quotas = {tenant: (self.kv_manager.kv_blocks_of(tenant), quota)
+                  for tenant, quota in self.kv_manager.tenant_kv_quotas.items()}
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.prefetching),
                               self.num_preemptions_total, latency, len(self.loading), by_tenant,
-                              self.classes.make_stats() if self.classes is not None else ())
+                              self.classes.make_stats() if self.classes is not None else (), quotas)
 
     @property
     def is_stalled(self) -> bool:

@@ -16,7 +16,7 @@ from kvserve.stats import TenantShareStats, TenantUsage, tenant_sort_key
 
 def usage_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
     fair = snapshot.fair_share
-    tenants = set(snapshot.tenant_usage) | set(snapshot.kv_blocks_by_tenant) | set(fair or ())
+    tenants = set(snapshot.tenant_usage) | set(snapshot.kv_blocks_by_tenant) | set(snapshot.kv_quotas) | set(fair or ())
     rows = []
     for tenant in sorted(tenants, key=tenant_sort_key):
         usage = snapshot.tenant_usage.get(tenant, TenantUsage())
@@ -25,6 +25,8 @@ def usage_summary(snapshot: EngineSnapshot) -> dict[str, Any]:
             "prompt_tokens": usage.prompt_tokens, "cached_prompt_tokens": usage.cached_prompt_tokens,
             "generation_tokens": usage.generation_tokens,
             "kv_blocks": snapshot.kv_blocks_by_tenant.get(tenant, 0)}
+        if tenant in snapshot.kv_quotas:
+            row["kv_resident_blocks"], row["kv_quota_blocks"] = snapshot.kv_quotas[tenant]
         if fair is not None:
             row["fair_share"] = _share(fair.get(tenant))
         rows.append(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TEST_DEVICE, build_tiny_checkpoint
+from conftest import TEST_DEVICE, ManagerSequence as _Seq, build_tiny_checkpoint
 from kvserve import LLM, SamplingParams
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.prefix_cache import hash_block
@@ -128,23 +128,6 @@ def test_host_blocks_being_loaded_are_not_overwritten_in_the_same_step():
     assert tier.store(*chain[2], "ns") is None and tier.make_stats().writes_dropped == 1
     tier.end_step()
     assert tier.store(*chain[3], "ns") in (a, b)
-
-
-class _Seq:
-    """A HashedSequence for the manager alone."""
-
-    def __init__(self, request_id: str, tokens: list[int], namespace: str = "t") -> None:
-        from kvserve.kvcache.prefix_cache import namespace_root
-        self.request_id, self.tokens = request_id, tokens
-        self.block_hashes: list[bytes] = []
-        self.cache_root, self.cache_namespace = namespace_root(namespace), namespace
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
 
 
 @pytest.mark.parametrize("seed", range(6))

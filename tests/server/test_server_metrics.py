@@ -226,12 +226,17 @@ def test_tenant_labels_are_bounded_and_the_kv_gauge_sums_by_label():
     label = TenantLabels(limit=2)
     assert [label(t) for t in ("a", None, "b", "a", "c")] == ["a", "none", "other", "a", "other"]
     stats = _stats()
-    stats = EngineStats(SchedulerStats(2, 1, 3, kv_blocks_by_tenant={"a": 5, None: 2}), stats.kv_cache, 50, 20,
-                        {"stop": 4})
+    stats = EngineStats(SchedulerStats(2, 1, 3, kv_blocks_by_tenant={"a": 5, None: 2}, kv_quotas={"a": (9, 12)}),
+                        stats.kv_cache, 50, 20, {"stop": 4})
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)
     samples = _samples(ServerMetrics(lambda: snapshot, "m").render().decode())
     assert samples['kvserve:tenant_kv_blocks{model_name="m",tenant="a"}'] == 5
     assert samples['kvserve:tenant_kv_blocks{model_name="m",tenant="none"}'] == 2
+    assert samples['kvserve:tenant_kv_resident_blocks{model_name="m",tenant="a"}'] == 9
+    assert samples['kvserve:tenant_kv_quota_blocks{model_name="m",tenant="a"}'] == 12
+    from kvserve.server.usage import usage_summary
+    row = next(row for row in usage_summary(snapshot)["data"] if row["tenant"] == "a")
+    assert (row["kv_resident_blocks"], row["kv_quota_blocks"]) == (9, 12)
 
 
 def test_tenant_totals_come_from_the_engines_usage_and_share_the_label_cap():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 
 class Evictor:
@@ -70,6 +70,28 @@ class Evictor:
                     self._num_pinned -= pinned
                     return key, priority
         raise IndexError("nothing to evict")
+
+    def pop_matching(self, wanted: Callable[[Hashable], bool], count: int) -> list[tuple[Hashable, float]]:
+        """Up to `count` (key, priority) of the first victims among the keys `wanted` accepts, in
+        the order `pop` would take them; the others keep their places."""
+        taken: list[tuple[Hashable, float]] = []
+        for pinned in (False, True):
+            heap, skipped = self._heaps[pinned], []
+            while heap and len(taken) < count:
+                entry = heapq.heappop(heap)
+                priority, _depth, seq, key = entry
+                live = self._live.get(key)
+                if live is None or live[0] != seq:
+                    continue                    # a stale entry
+                if wanted(key):
+                    del self._live[key]
+                    self._num_pinned -= pinned
+                    taken.append((key, priority))
+                else:
+                    skipped.append(entry)
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+        return taken
 
     def rebuild(self, entries: Iterable[tuple[Hashable, float, int, bool]]) -> None:
         """Replaces the contents (used when the adaptive policy switches its ranking)."""
