@@ -11,6 +11,10 @@ load therefore gets its weighted share of the service while both wait, not ten t
 Prompt tokens are charged when the request is first admitted (less what the prefix cache served),
 so one step does not admit all of one tenant's requests before its counter moves; generated tokens
 as they are sampled. Recomputation after a preemption is not charged.
+
+When the next waiting request of the fair order finds no slot or blocks, the scheduler preempts a
+running request of the tenant whose counter is highest, if it stays above the waiting tenant's
+with the waiting prompt charged (kvserve/sched/scheduler.py, `_preempt_for_fairness`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ class VirtualTokenCounters:
         floor = min((self.counter(other) for other in active if other != tenant), default=None)
         if floor is not None and self.counter(tenant) < floor:
             self._counters[tenant] = floor
+
+    def prompt_cost(self, tenant: Optional[str], prompt_tokens: int) -> float:
+        """What admitting a prompt of this many tokens adds to the tenant's counter."""
+        return PROMPT_TOKEN_COST * prompt_tokens / self.config.weight_of(tenant)
 
     def charge(self, tenant: Optional[str], prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         cost = PROMPT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens

@@ -254,6 +254,8 @@ class Scheduler:
         pending token first: a preempted request recomputes from its token list)."""
         if self._over_class_running_limit():
             return True
+        if self.fair is not None and self.waiting and self.running:
+            return self._fairness_victim(next(iter(self._fair_order()))) is not None
         if not (self._by_priority and self.waiting and self.running):
             return False
         key = self._priority_key()
@@ -268,6 +270,36 @@ class Scheduler:
             if len(self.running) + len(self.loading) < self._admission_limit and self._fits(best, budget):
                 return
             victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _fairness_victim(self, waiting: Request) -> Optional[int]:
+        """Index in `running` of the request to preempt so that `waiting` (the fair order's next)
+        can run: the newest running request (least work lost) of the tenant with the highest
+        counter, if that counter stays above the waiting tenant's even after the waiting request's
+        prompt is charged (so the two cannot trade places back and forth); else None."""
+        fair = self.fair
+        floor = fair.counter(waiting.tenant) + fair.prompt_cost(waiting.tenant, waiting.num_prompt_tokens)
+        richest = max((r.tenant for r in self.running if r.tenant != waiting.tenant),
+                      key=fair.counter, default=None)
+        if richest is None or fair.counter(richest) <= floor:
+            return None
+        return max(index for index, r in enumerate(self.running) if r.tenant == richest)
+
+    def _preempt_for_fairness(self, out: SchedulerOutput, budget: int) -> None:
+        """Preemption for fair share: while the fair order's next waiting request cannot be admitted
+        (no slot, or too few free blocks for its first chunk), a running request of the tenant that
+        has received the most service beyond it is preempted (swapped or recomputed, as configured).
+        Without it, a tenant that filled the batch while the others were idle would keep it for as
+        long as its requests run, and the others' requests would wait for a slot."""
+        best = next(iter(self._fair_order()))
+        while self.running:
+            if len(self.running) + len(self.loading) < self._admission_limit and self._fits(best, budget):
+                return
+            index = self._fairness_victim(best)
+            if index is None:
+                return
+            victim = self.running.pop(index)
             self._preempt(victim)
             out.preempted.append(victim)
 
@@ -322,6 +354,8 @@ class Scheduler:
                 self._preempt_to_class_running_limit(out)
             if self.waiting and self.running:
                 self._preempt_for_priority(out, key, budget)
+        elif self.fair is not None and self.waiting and self.running:
+            self._preempt_for_fairness(out, budget)
         preempted_for_priority = len(out.preempted)
 
         index = 0

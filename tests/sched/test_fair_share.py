@@ -99,3 +99,45 @@ def test_the_config_is_read_as_yaml_or_json_and_bad_keys_are_named(tmp_path):
         load_qos_config(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="cannot read"):
         load_qos_config(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_tenant_that_filled_the_batch_is_preempted_for_a_newcomer(folder, tmp_path, policy):
+    """Tenant a fills every slot with long requests while b is idle; then b sends one. Under fair
+    share b's request runs within a few steps (a's newest request is preempted and resumes later),
+    under fcfs it waits for a slot. Either way every output equals the request run alone."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = {f"a{i}": [1] + [3 + (17 * i + 5 * j) % 240 for j in range(19)] for i in range(3)}
+    prompts["b0"] = [1] + [7 + (11 * j) % 230 for j in range(19)]
+    options = dict(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20, max_model_len=256,
+                   async_scheduling="off", enable_prefix_caching=False)
+    alone = Engine.from_options(**options)
+    expected = {}
+    for request_id, prompt in prompts.items():
+        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        while alone.has_unfinished_requests():
+            for output in alone.step():
+                if output.finished:
+                    expected[request_id] = output.outputs[0].token_ids
+    engine = Engine.from_options(**options, max_num_seqs=3, scheduling_policy=policy,
+                                 qos_config=_qos(tmp_path, {"tenants": {}}))
+    for request_id in ("a0", "a1", "a2"):
+        engine.add_request(request_id, {"prompt_token_ids": prompts[request_id]}, params, tenant="a")
+    outputs, steps, first_token_step = {}, 0, None
+    while engine.has_unfinished_requests():
+        if steps == 5:
+            engine.add_request("b0", {"prompt_token_ids": prompts["b0"]}, params, tenant="b")
+        for output in engine.step():
+            if output.request_id == "b0" and first_token_step is None and output.outputs[0].token_ids:
+                first_token_step = steps
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+        steps += 1
+    assert outputs == expected
+    preemptions = engine.make_stats().scheduler.num_preemptions_total
+    if policy == "fair":
+        # b's counter starts at a's (idle time banks no credit), so b runs once a is ahead by b's
+        # prompt (20 tokens; a's three requests earn 6 a step): within 4 steps, not after a's 40.
+        assert 5 <= first_token_step <= 10 and preemptions == 1
+    else:
+        assert first_token_step > 30 and preemptions == 0
