@@ -167,6 +167,8 @@ class ClassLatencyStats:
     requests_shed: int
     requests_met: int                    # finished within both targets
     holding_lower_classes: bool          # it misses a target with work pending: lower classes wait
+    kv_reserved_blocks: int = 0          # its KV reservation (--qos-config; 0: none)
+    kv_blocks: int = 0                   # GPU blocks its running and loading requests hold
 
 
 @dataclass(frozen=True)

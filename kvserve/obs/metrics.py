@@ -278,6 +278,8 @@ class _EngineStateCollector:
                                     "work pending, so lower classes are not admitted.", labels=names)
         counts = CounterMetricFamily(f"{NAMESPACE}:qos_class_requests", "Requests of each class that finished, "
                                      "finished within its targets, or were shed (503).", labels=names + ["outcome"])
+        kv = GaugeMetricFamily(f"{NAMESPACE}:qos_class_kv_blocks", "GPU KV blocks of each class: held by its running "
+                               "requests, and reserved for it (--qos-config).", labels=names + ["kind"])
         for cls in snap.qos_classes:
             row = values + [cls.name]
             for metric, measured, goal in (("ttft", cls.ttft_p99_s, cls.ttft_target_s),
@@ -290,7 +292,9 @@ class _EngineStateCollector:
             for outcome, value in (("finished", cls.requests_finished), ("met_targets", cls.requests_met),
                                    ("shed", cls.requests_shed)):
                 counts.add_metric(row + [outcome], value)
-        yield from (p99, target, holding, counts)
+            kv.add_metric(row + ["held"], cls.kv_blocks)
+            kv.add_metric(row + ["reserved"], cls.kv_reserved_blocks)
+        yield from (p99, target, holding, counts, kv)
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, tenant_label: TenantLabels) -> None:
         self._snapshot = snapshot

@@ -5,7 +5,7 @@ start: an unknown key or class, a class without targets, a weight that is not a 
 or a file that does not parse is a ValueError naming it.
 
     classes:
-      gold:   {priority: 0, ttft_p99: 1.0, tpot_p99: 0.1, on_miss: shed}
+      gold:   {priority: 0, ttft_p99: 1.0, tpot_p99: 0.1, on_miss: shed, kv_reservation_fraction: 0.2}
       silver: {priority: 1, ttft_p99: 4.0, on_miss: shed}
       bronze: {priority: 2, ttft_p99: 60}        # on_miss: queue (the default)
     default_class: bronze  # requests that name none, of tenants without a default
@@ -41,6 +41,10 @@ class QoSClass(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ttft_p99: Optional[float] = None
     tpot_p99: Optional[float] = None
     on_miss: str = QUEUE
+    # GPU KV blocks no other class may take while this class has work (kvserve/sched/kv_reservations.py),
+    # as a count or a fraction of the pool.
+    kv_reservation_blocks: Optional[int] = None
+    kv_reservation_fraction: Optional[float] = None
 
 
 class TenantPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -139,6 +143,15 @@ def _check_classes(path: str, config: QoSConfig) -> None:
                              f"got {cls.on_miss!r}")
         if cls.on_miss == SHED and cls.ttft_p99 is None:
             raise ValueError(f"--qos-config {path}: classes.{name} sheds (on_miss: shed) but has no ttft_p99")
+        if cls.kv_reservation_blocks is not None and cls.kv_reservation_fraction is not None:
+            raise ValueError(f"--qos-config {path}: classes.{name} has both kv_reservation_blocks and "
+                             f"kv_reservation_fraction; give one")
+        if cls.kv_reservation_blocks is not None and cls.kv_reservation_blocks < 1:
+            raise ValueError(f"--qos-config {path}: classes.{name}.kv_reservation_blocks must be at least 1, "
+                             f"got {cls.kv_reservation_blocks}")
+        if cls.kv_reservation_fraction is not None and not 0 < cls.kv_reservation_fraction < 1:
+            raise ValueError(f"--qos-config {path}: classes.{name}.kv_reservation_fraction must be in (0, 1), "
+                             f"got {cls.kv_reservation_fraction}")
     named = [("default_class", config.default_class)]
     for tenant, policy in config.tenants.items():
         named.append((f"tenants.{tenant}.default_class", policy.default_class))

@@ -34,6 +34,7 @@ by their tenant's virtual token counter, lowest first (VTC).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -43,6 +44,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.fair_share import VirtualTokenCounters
+from kvserve.sched.kv_reservations import ClassReservations
 from kvserve.sched.priority import priority_key
 from kvserve.sched.qos_classes import ClassLatency
 from kvserve.sched.qos_config import SHED, load_qos_config
@@ -101,6 +103,8 @@ class Scheduler:
                 raise ValueError(f"--qos-config {config.qos_config} defines request classes, which run at their "
                                  f"priority: they need --scheduling-policy priority (not {config.scheduling_policy})")
             self.classes = ClassLatency(qos.classes)
+        self.reservations: Optional[ClassReservations] = (
+            ClassReservations.from_config(qos, kv_manager.num_blocks, config.qos_config) if self.classes else None)
         targets = SLOTargets(config.slo_ttft, config.slo_tpot, config.slo_shed)
         # The latency controller also when only classes have targets: their shedding simulates the
         # steps ahead with its step-cost model.
@@ -252,7 +256,7 @@ class Scheduler:
     def wants_priority_preemption(self) -> bool:
         """Whether the next schedule() may preempt for priority (the engine then reads back a
         pending token first: a preempted request recomputes from its token list)."""
-        if self._over_class_running_limit():
+        if self._over_class_running_limit() or self._reservation_wanted() is not None:
             return True
         if self.fair is not None and self.waiting and self.running:
             return self._fairness_victim(next(iter(self._fair_order()))) is not None
@@ -269,9 +273,75 @@ class Scheduler:
         while self.running and key(self.running[-1]) > key(best):
             if len(self.running) + len(self.loading) < self._admission_limit and self._fits(best, budget):
                 return
-            victim = self.running.pop()
+            position = len(self.running) - 1
+            if self.reservations is not None:
+                # A request within its class's KV reservation is not a borrower: its blocks stay.
+                held = self._class_blocks()
+                while position >= 0 and key(self.running[position]) > key(best) and not (
+                        self.running[position].qos_class == best.qos_class
+                        or self.reservations.is_borrowing(self.running[position].qos_class, held)):
+                    position -= 1
+                if position < 0 or key(self.running[position]) <= key(best):
+                    return
+            victim = self.running.pop(position)
             self._preempt(victim)
             out.preempted.append(victim)
+
+    def _growth_victim(self, index: int, request: Request) -> Request:
+        """The request to preempt so that `request` (at `running[index]`) can grow: the last running
+        one, except that a request of another class holding no more than its class's reservation
+        is skipped (its blocks are that class's); taken out of `running`."""
+        if self.reservations is not None:
+            held = self._class_blocks()
+            for position in range(len(self.running) - 1, index - 1, -1):
+                other = self.running[position]
+                if other.qos_class == request.qos_class or self.reservations.is_borrowing(other.qos_class, held):
+                    return self.running.pop(position)
+        return self.running.pop()
+
+    def _class_blocks(self) -> dict[str, int]:
+        """GPU blocks held by each class's running and loading requests."""
+        held: dict[str, int] = {}
+        for request in itertools.chain(self.running, self.loading.values()):
+            if request.qos_class is not None:
+                held[request.qos_class] = held.get(request.qos_class, 0) + len(
+                    self.kv_manager.block_table(request.request_id))
+        return held
+
+    def _reservation_wanted(self) -> Optional[tuple[str, int, dict[str, int]]]:
+        """The first class (by priority) with waiting work whose reservation is borrowed: (its name,
+        the free blocks it wants, each class's blocks); None if there is none."""
+        if self.reservations is None or not self.waiting or not self.running:
+            return None
+        reservations, held, free = self.reservations, None, self.kv_manager.num_free_blocks
+        waiting_tokens: dict[str, int] = {}
+        for request in self.waiting:
+            if request.qos_class in reservations.reserved:
+                waiting_tokens[request.qos_class] = waiting_tokens.get(request.qos_class, 0) + request.num_tokens
+        for name in sorted(waiting_tokens, key=lambda name: self.qos.classes[name].priority):
+            held = held if held is not None else self._class_blocks()
+            wanted = min(reservations.unused(name, held),
+                         blocks_for_tokens(waiting_tokens[name], self.kv_manager.block_size))
+            if free < wanted:
+                return name, wanted, held
+        return None
+
+    def _reclaim_reservations(self, out: SchedulerOutput) -> None:
+        """A class with waiting work takes its lent reservation back: running requests of classes
+        holding more than their own reservation are preempted, lowest-ranked first, until the free
+        blocks cover what the class's waiting requests need (up to its unused reservation)."""
+        wanted = self._reservation_wanted()
+        while wanted is not None:
+            name, blocks, held = wanted
+            index = next((i for i in range(len(self.running) - 1, -1, -1)
+                          if self.running[i].qos_class != name
+                          and self.reservations.is_borrowing(self.running[i].qos_class, held)), None)
+            if index is None:
+                return
+            victim = self.running.pop(index)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            wanted = self._reservation_wanted()
 
     def _fairness_victim(self, waiting: Request) -> Optional[int]:
         """Index in `running` of the request to preempt so that `waiting` (the fair order's next)
@@ -352,6 +422,8 @@ class Scheduler:
             self.running.sort(key=key)           # the back is preempted first
             if self._over_class_running_limit():
                 self._preempt_to_class_running_limit(out)
+            if self.reservations is not None and self.waiting and self.running:
+                self._reclaim_reservations(out)
             if self.waiting and self.running:
                 self._preempt_for_priority(out, key, budget)
         elif self.fair is not None and self.waiting and self.running:
@@ -375,7 +447,7 @@ class Scheduler:
                 # its KV quota, its own (freeing anyone else's blocks would not help it).
                 victim = self._quota_victim(index, request, request.num_kv_tokens + num_new)
                 if victim is None:
-                    victim = self.running.pop()
+                    victim = self._growth_victim(index, request)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -509,6 +581,10 @@ class Scheduler:
                 if self._cache_aware and not self._by_priority else [])
         candidates = self._waiting_order()
         admitted: set[str] = set()
+        # With class reservations: each class's blocks, and the classes with work (whose unused
+        # reservations the other classes' admissions leave free).
+        held = self._class_blocks() if self.reservations is not None else None
+        class_work = self._classes_with_work() if held is not None else set()
         for request in candidates:
             if budget <= 0 or len(self.running) + len(self.loading) >= self._admission_limit:
                 break
@@ -532,6 +608,12 @@ class Scheduler:
             needed = self.kv_manager.num_new_blocks_needed(request.request_id, kv_base + num_new, hit)
             if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
                 break
+            if held is not None:
+                protected = self.reservations.protected_from(request.qos_class, held, class_work)
+                if needed + protected > self.kv_manager.num_free_blocks:
+                    continue            # it would take another class's reservation: it waits
+                if request.qos_class is not None:
+                    held[request.qos_class] = held.get(request.qos_class, 0) + needed
             if self.kv_manager.quota_shortfall(request.tenant, needed, hit.block_ids if hit is not None else ()):
                 continue                # its tenant is at its KV quota: it waits, others may go
             if not self.kv_manager.allocate_slots(request.request_id, kv_base + num_new, hit,
@@ -686,7 +768,16 @@ class Scheduler:
                   for tenant, quota in self.kv_manager.tenant_kv_quotas.items()}
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.prefetching),
                               self.num_preemptions_total, latency, len(self.loading), by_tenant,
-                              self.classes.make_stats() if self.classes is not None else (), quotas)
+                              self._class_stats(), quotas)
+
+    def _class_stats(self) -> tuple:
+        if self.classes is None:
+            return ()
+        held = self._class_blocks()
+        reserved = self.reservations.reserved if self.reservations is not None else {}
+        return tuple(dataclasses.replace(stats, kv_reserved_blocks=reserved.get(stats.name, 0),
+                                         kv_blocks=held.get(stats.name, 0))
+                     for stats in self.classes.make_stats())
 
     @property
     def is_stalled(self) -> bool:

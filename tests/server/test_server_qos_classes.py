@@ -14,7 +14,8 @@ from loopback_server import LoopbackServer, build_tiny_chat_model
 
 pytestmark = [pytest.mark.slow, requires_default_model]
 
-QOS = {"classes": {"gold": {"priority": 0, "ttft_p99": 5.0, "tpot_p99": 1.0, "on_miss": "shed"},
+QOS = {"classes": {"gold": {"priority": 0, "ttft_p99": 5.0, "tpot_p99": 1.0, "on_miss": "shed",
+                            "kv_reservation_blocks": 3},
                    "bronze": {"priority": 2, "ttft_p99": 60}},
        "default_class": "bronze",
        "tenants": {"free": {"classes": ["bronze"]}, "vip": {"default_class": "gold"}}}
@@ -53,6 +54,8 @@ def test_classes_by_field_and_by_tenant_default_and_refusals(server):
     assert finished == {"bronze": 2.0, "gold": 1.0}
     targets = [line for line in metrics.splitlines() if line.startswith("kvserve:qos_class_latency_target_seconds")]
     assert any('qos_class="gold"' in line and 'metric="tpot"' in line and line.endswith(" 1.0") for line in targets)
+    kv = [line for line in metrics.splitlines() if line.startswith("kvserve:qos_class_kv_blocks")]
+    assert any('qos_class="gold"' in line and 'kind="reserved"' in line and line.endswith(" 3.0") for line in kv)
 
 
 def test_a_request_shed_in_the_queue_for_its_class_gets_an_overloaded_error_naming_the_target():
