@@ -43,6 +43,10 @@ class ServerConfig:
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown before "
                                          "they are aborted with an error")
     access_log: bool = _opt(False, "log every HTTP request (uvicorn access log)")
+    reasoning_parser: Optional[str] = _opt(None, "split chat replies' <think>...</think> into message.reasoning_content "
+                                                 "(also in stream deltas): deepseek_r1 (output starts inside the "
+                                                 "think) or qwen3 (only when it opens one); default off",
+                                           choices=("deepseek_r1", "qwen3"))
     api_server_count: int = _opt(1, "HTTP front-end processes on the one port (SO_REUSEPORT), all talking to "
                                     "the one engine core process")
 
@@ -54,6 +58,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20] (the sampler's limit), got {self.max_logprobs}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
+            raise ValueError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.allowed_hosts is not None and not _host_list(self.allowed_hosts):

@@ -39,6 +39,7 @@ from kvserve.sched.slo import RequestOverloaded
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, echo, error_body, from_value_error
 from kvserve.server.protocol import ChatMessage
+from kvserve.server.reasoning import ReasoningParser
 
 logger = logging.getLogger("kvserve.server")
 
@@ -86,6 +87,7 @@ class UsageCounter:
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)
     completion_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
+    reasoning_tokens: Optional[dict[tuple[str, int], int]] = None    # with a reasoning parser
 
     def update(self, output: RequestOutput) -> None:
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
@@ -99,8 +101,11 @@ class UsageCounter:
         completion = sum(self.completion_tokens.values())
         # As OpenAI reports them: prompt tokens served from the cache (here the prefix cache and
         # the KV tiers), within prompt_tokens.
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())}}
+        if self.reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(self.reasoning_tokens.values())}
+        return usage
 
 
 class ServingContext:
@@ -114,6 +119,7 @@ class ServingContext:
         # These never change after the engine is built, so the HTTP side reads them once.
         self.tokenizer = async_engine.tokenizer
         self.chat_template = ChatTemplate(self.tokenizer)      # the renderer LLM.chat uses too
+        self.reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
         self.max_model_len = served.max_model_len
         self.vocab_size = served.vocab_size
         self.max_num_seqs = served.max_num_seqs

@@ -14,6 +14,7 @@ from kvserve.engine.outputs import CompletionOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.reasoning import ReasoningStream
 from kvserve.server.serving_base import (SSE_DONE, ChoiceState, OpenAIServing, SSEStream, UsageCounter,
                                          finish_reason_of, guarded, sse, stop_holdback, text_delta)
 
@@ -37,23 +38,39 @@ class OpenAIServingChat(OpenAIServing):
                                                     req.continue_final_message, req.chat_template_kwargs)
         self._check_length(len(prompt_ids), max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        parser = self.context.reasoning
+        # Whether the output starts inside a think: R1 always; qwen3 if the template left one open.
+        in_reasoning = parser is not None and parser.starts_in_reasoning(
+            self.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False) if self.tokenizer is not None else "")
         stream = await self._submit(request_id, [prompt_ids], params, req, tenant, arrival_time)
         sub_id = f"{request_id}-0"
         if req.stream:
-            chunks = self._stream_chat(request_id, model, req, params, sub_id, stream)
+            chunks = self._stream_chat(request_id, model, req, params, sub_id, stream, in_reasoning)
             return SSEStream(guarded(chunks, stream), stream)
         finals = await self._collect(stream, raw)
         output = finals[sub_id]
         choices = []
-        for sample in output.outputs:
-            choices.append({
-                "index": sample.index, "message": {"role": "assistant", "content": sample.text},
-                "logprobs": {"content": self._chat_logprobs(sample, 0, req.top_logprobs or 0)} if req.logprobs else None,
-                "finish_reason": finish_reason_of(sample), "stop_reason": sample.stop_reason})
         usage = UsageCounter()
         usage.update(output)
+        for sample in output.outputs:
+            message = {"role": "assistant", "content": sample.text}
+            if parser is not None:
+                message["reasoning_content"], message["content"] = parser.split(sample.text, in_reasoning)
+                self._count_reasoning(usage, output.request_id, sample, in_reasoning)
+            choices.append({
+                "index": sample.index, "message": message,
+                "logprobs": {"content": self._chat_logprobs(sample, 0, req.top_logprobs or 0)} if req.logprobs else None,
+                "finish_reason": finish_reason_of(sample), "stop_reason": sample.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage.as_dict()}
+
+    def _count_reasoning(self, usage: UsageCounter, request_id: str, sample: CompletionOutput,
+                         in_reasoning: bool) -> None:
+        if usage.reasoning_tokens is None:
+            usage.reasoning_tokens = {}
+        decode = lambda ids: self.tokenizer.decode(list(ids))       # noqa: E731 - what sample.text is made of
+        usage.reasoning_tokens[(request_id, sample.index)] = self.context.reasoning.reasoning_tokens(
+            sample.token_ids, decode, in_reasoning)
 
     def _chat_logprobs(self, sample: CompletionOutput, start: int, num_top: int) -> list[dict[str, Any]]:
         content = []
@@ -70,10 +87,12 @@ class OpenAIServingChat(OpenAIServing):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
 
     async def _stream_chat(self, request_id: str, model: str, req: ChatCompletionRequest, params: SamplingParams,
-                           sub_id: str, stream: RequestStream) -> AsyncIterator[str]:
+                           sub_id: str, stream: RequestStream, in_reasoning: bool) -> AsyncIterator[str]:
         created = int(time.time())
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         states = [ChoiceState() for _ in range(params.n)]
+        parser = self.context.reasoning
+        splits = [ReasoningStream(parser, in_reasoning) for _ in range(params.n)] if parser is not None else None
         usage = UsageCounter()
         holdback = stop_holdback(params)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -89,16 +108,26 @@ class OpenAIServingChat(OpenAIServing):
                 state = states[sample.index]
                 if state.finished:
                     continue
-                text = text_delta(sample, state, holdback, output.finished)
+                final = output.finished or bool(sample.finish_reason)
+                if splits is not None:
+                    visible = sample.text if final else sample.text[:max(0, len(sample.text) - holdback)]
+                    reasoning, text = splits[sample.index].delta(visible, final)
+                    if final:
+                        self._count_reasoning(usage, output.request_id, sample, in_reasoning)
+                else:
+                    reasoning, text = "", text_delta(sample, state, holdback, output.finished)
+                delta = {"reasoning_content": reasoning} if reasoning else {}
+                if text:
+                    delta["content"] = text
                 logprobs = None
                 if req.logprobs and len(sample.token_ids) > state.tokens_sent:
                     logprobs = {"content": self._chat_logprobs(sample, state.tokens_sent, req.top_logprobs or 0)}
                 state.tokens_sent = len(sample.token_ids)
                 finish_reason = finish_reason_of(sample) if sample.finish_reason else None
                 state.finished = finish_reason is not None
-                if not text and logprobs is None and finish_reason is None:
+                if not delta and logprobs is None and finish_reason is None:
                     continue
-                choices.append({"index": sample.index, "delta": {"content": text} if text else {},
+                choices.append({"index": sample.index, "delta": delta,
                                 "logprobs": logprobs, "finish_reason": finish_reason,
                                 "stop_reason": sample.stop_reason if finish_reason else None})
             if choices:
