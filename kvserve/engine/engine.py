@@ -35,6 +35,7 @@ from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvstore import HOST_STORE, KVCacheStore
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
+from kvserve.model.loader.generation_config import eos_token_ids as generation_eos_token_ids
 from kvserve.model.builder import build_model, kernel_switches, resolve_device, resolve_dtype
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
@@ -288,6 +289,7 @@ class Engine:
             ids.update(int(i) for i in config_eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
+        ids |= generation_eos_token_ids(str(self.source.path))     # R1 and Llama-3 list several
         return ids
 
     # --- requests -------------------------------------------------------------------------------

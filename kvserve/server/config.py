@@ -43,6 +43,10 @@ class ServerConfig:
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests get to finish on shutdown before "
                                          "they are aborted with an error")
     access_log: bool = _opt(False, "log every HTTP request (uvicorn access log)")
+    generation_config: str = _opt("auto", "auto: sampling fields a request leaves unset take the model's "
+                                          "generation_config.json defaults (temperature, top_p, top_k, min_p, "
+                                          "repetition_penalty, max_new_tokens), as vLLM does; none: kvserve's own "
+                                          "defaults (temperature 1, top_p 1)", choices=("auto", "none"))
     reasoning_parser: Optional[str] = _opt(None, "split chat replies' <think>...</think> into message.reasoning_content "
                                                  "(also in stream deltas): deepseek_r1 (output starts inside the "
                                                  "think) or qwen3 (only when it opens one); default off",
@@ -58,6 +62,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20] (the sampler's limit), got {self.max_logprobs}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
             raise ValueError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
         if self.shutdown_timeout < 0:

@@ -36,6 +36,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.sched.slo import RequestOverloaded
+from kvserve.model.loader.generation_config import sampling_defaults
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, echo, error_body, from_value_error
 from kvserve.server.protocol import ChatMessage
@@ -120,6 +121,11 @@ class ServingContext:
         self.tokenizer = async_engine.tokenizer
         self.chat_template = ChatTemplate(self.tokenizer)      # the renderer LLM.chat uses too
         self.reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
+        # The model's recommended sampling, for fields a request leaves unset (--generation-config auto).
+        self.sampling_defaults = sampling_defaults(served.source_path) if config.generation_config == "auto" else {}
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation_config.json: %s (--generation-config none "
+                        "turns them off)", self.sampling_defaults)
         self.max_model_len = served.max_model_len
         self.vocab_size = served.vocab_size
         self.max_num_seqs = served.max_num_seqs
@@ -211,15 +217,18 @@ class OpenAIServing:
 
     def _sampling_params(self, req: Any, max_tokens: Optional[int], logprobs: Optional[int],
                          prompt_logprobs: Optional[int]) -> SamplingParams:
-        top_k = req.top_k if req.top_k is not None else 0
+        model = self.context.sampling_defaults
+
+        def given(name: str, default: Any) -> Any:
+            value = getattr(req, name)
+            return value if value is not None else model.get(name, default)
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-                min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+                n=req.n, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
+                min_p=given("min_p", 0.0), seed=req.seed,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                repetition_penalty=given("repetition_penalty", 1.0),
+                max_tokens=max_tokens if max_tokens is not None else model.get("max_tokens"), min_tokens=req.min_tokens, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, kv_press=req.kv_press,
