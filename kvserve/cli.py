@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvserve.server.config import add_server_args
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                       help="the model (a folder or a .gguf file), as `vllm serve MODEL`; the same as --model")
     add_server_args(serve)
     add_engine_args(serve)
     return parser
@@ -214,6 +216,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])   # recorded in benchmark results
+    if args.command == "serve" and args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.exit(2, f"kvserve serve: error: the model is given twice ({args.model_tag!r} and "
+                           f"--model {args.model!r}); give one\n")
+        args.model = args.model_tag
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench,
                 "calibrate": _cmd_calibrate, "eval-kv": _cmd_eval_kv}

@@ -398,8 +398,9 @@ def add_dataclass_args(parser, config_type: type) -> None:
             kind = int
         elif "float" in str(f.type):
             kind = float
+        extra = {"nargs": meta["nargs"]} if "nargs" in meta else {}
         parser.add_argument(*flags, dest=f.name, type=kind, default=f.default,
-                            choices=meta.get("choices"), help=meta["help"])
+                            choices=meta.get("choices"), help=meta["help"], **extra)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

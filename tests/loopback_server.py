@@ -55,7 +55,7 @@ class LoopbackServer:
             client = CoreClient(address, self.core.pid, served, tokenizer)
         else:
             client = AsyncEngine(engine)
-        self.app = build_app(client, config, model_names=["tiny"])
+        self.app = build_app(client, config, model_names=list(config.served_model_name or ["tiny"]))
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

@@ -15,6 +15,7 @@ through as they are.
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 from jinja2.defaults import DEFAULT_NAMESPACE as JINJA_GLOBALS
@@ -47,13 +48,18 @@ class ChatTemplate:
     alone (cheap: the server runs them on the event loop before the render goes to a worker thread);
     exceptions the template itself raises (raise_exception, Jinja errors) propagate unchanged."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
+        self.template = template         # --chat-template: used instead of the tokenizer's
         self._reserved_names: Optional[frozenset[str]] = None
 
     @property
+    def _template(self) -> Optional[str]:
+        return self.template or (self.tokenizer.chat_template if self.tokenizer is not None else None)
+
+    @property
     def available(self) -> bool:
-        return self.tokenizer is not None and bool(self.tokenizer.chat_template)
+        return self.tokenizer is not None and bool(self._template)
 
     @property
     def reserved_names(self) -> frozenset[str]:
@@ -75,7 +81,7 @@ class ChatTemplate:
         template cannot render."""
         if self.tokenizer is None:
             raise NoChatTemplateError("this model has no tokenizer, so it has no chat template")
-        if not self.tokenizer.chat_template:
+        if not self._template:
             raise NoChatTemplateError("this model has no chat template")
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true",
@@ -92,6 +98,8 @@ class ChatTemplate:
         extra = dict(variables or {})
         if tools is not None:
             extra["tools"] = tools
+        if self.template is not None:
+            extra["chat_template"] = self.template
         return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, tokenize=False,
                                                   **extra)
@@ -102,3 +110,16 @@ class ChatTemplate:
         """The prompt token ids: the rendered text encoded without added special tokens."""
         text = self.render(messages, add_generation_prompt, continue_final_message, tools, variables)
         return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def read_chat_template(given: Optional[str]) -> Optional[str]:
+    """--chat-template: the contents of a file, or the template itself when no such file exists (a
+    value with Jinja markup); None when not given. A path-like value naming no file is an error."""
+    if given is None:
+        return None
+    if os.path.isfile(given):
+        with open(given, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in given or "{%" in given:
+        return given
+    raise ValueError(f"--chat-template {given!r}: no such file, and not a Jinja template either")

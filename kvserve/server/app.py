@@ -156,7 +156,8 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
     config.validate()
     served = async_engine.served
     if model_names is None:
-        model_names = [config.served_model_name or default_model_name(served.model, served.source_path)]
+        model_names = (list(config.served_model_name) if config.served_model_name
+                       else [default_model_name(served.model, served.source_path)])
     api_keys = config.load_api_keys()
     admin_key = config.load_admin_key(api_keys)
     # Metrics read the snapshot the engine side republishes (made from Engine.make_stats()).

@@ -21,8 +21,11 @@ from kvserve.config import _opt, add_dataclass_args
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     port: int = _opt(8000, "TCP port to listen on")
-    served_model_name: Optional[str] = _opt(
-        None, "model name clients send and /v1/models lists (default: derived from --model)")
+    served_model_name: Optional[list[str]] = _opt(
+        None, "model name(s) clients send and /v1/models lists, the first in responses and metrics (default: "
+              "derived from --model)", nargs="+")
+    chat_template: Optional[str] = _opt(None, "a Jinja chat template (a file, or the template itself) used instead "
+                                              "of the tokenizer's")
     api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on /v1 endpoints "
                                         "(also read from $KVSERVE_API_KEY)")
     api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name (or null); any listed "
@@ -62,6 +65,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20] (the sampler's limit), got {self.max_logprobs}")
+        if isinstance(self.served_model_name, str):         # ServerConfig(served_model_name="m") in Python
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
+            raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):

@@ -198,7 +198,8 @@ def run_server(args: argparse.Namespace) -> int:
             print(f"kvserve serve: the engine could not start: {exc}", flush=True)
             return 1
         try:
-            name = config.served_model_name or default_model_name(served.model, served.source_path)
+            name = (", ".join(config.served_model_name) if config.served_model_name
+                    else default_model_name(served.model, served.source_path))
             many = config.api_server_count > 1
             spec = FrontEndSpec(config, served, address, core.pid, os.getpid(), log_level, reuse_port=many)
             try:

@@ -31,7 +31,7 @@ from fastapi import Request
 from jinja2.exceptions import TemplateError
 
 from kvserve.engine.client import EngineClient, EngineDeadError, EngineShutdownError, EngineStepError, RequestStream
-from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError
+from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplateError, read_chat_template
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected
@@ -119,7 +119,8 @@ class ServingContext:
         self.model_names = model_names
         # These never change after the engine is built, so the HTTP side reads them once.
         self.tokenizer = async_engine.tokenizer
-        self.chat_template = ChatTemplate(self.tokenizer)      # the renderer LLM.chat uses too
+        # The renderer LLM.chat uses too; --chat-template replaces the tokenizer's template.
+        self.chat_template = ChatTemplate(self.tokenizer, read_chat_template(config.chat_template))
         self.reasoning = ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None
         # The model's recommended sampling, for fields a request leaves unset (--generation-config auto).
         self.sampling_defaults = sampling_defaults(served.source_path) if config.generation_config == "auto" else {}

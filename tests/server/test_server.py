@@ -503,8 +503,29 @@ def test_serve_flags_map_onto_server_and_engine_config(tmp_path):
                                       "--kv-cache-memory", "64MiB", "--max-num-seqs", "8"])
     config = server_config_from_args(args)
     assert (config.host, config.port, config.max_request_bytes, config.served_model_name) == \
-        ("127.0.0.1", 9001, 1 << 20, "m")
+        ("127.0.0.1", 9001, 1 << 20, ["m"])
     assert config.load_api_keys() == {"k1": "team-a", "k2": "team-b", "secret": None}
     options = engine_options_from_args(args)
     assert options["kv_cache_memory"] == 64 << 20 and options["max_num_seqs"] == 8
     assert "port" not in options
+
+
+def test_serve_takes_the_model_as_vllm_does_and_several_names(tmp_path, capsys):
+    from kvserve.cli import build_parser, main
+    from kvserve.server.config import server_config_from_args
+    args = build_parser().parse_args(["serve", "some/folder", "--served-model-name", "r1", "deepseek-r1"])
+    assert args.model_tag == "some/folder"
+    assert server_config_from_args(args).served_model_name == ["r1", "deepseek-r1"]
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "a", "--model", "b"])
+    assert exited.value.code == 2 and "the model is given twice" in capsys.readouterr().err
+
+
+def test_chat_template_flag_reads_a_file_or_takes_the_template(tmp_path):
+    from kvserve.engine.chat_template import read_chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
