@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 from kvserve.engine.chat_template import ChatTemplate
 from kvserve.engine.engine import Engine, PromptInput
 from kvserve.engine.outputs import RequestOutput
+from kvserve.model.loader.generation_config import sampling_defaults
 from kvserve.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -20,6 +21,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling params (vLLM's name): SamplingParams with the model's
+        generation_config.json defaults (R1: temperature 0.6, top_p 0.95) over kvserve's own."""
+        return SamplingParams(**sampling_defaults(str(self.engine.source.path)))
 
     def close(self) -> None:
         """Finishes the disk / remote KV tiers' writes (a later run finds them); idempotent."""
@@ -37,7 +43,7 @@ class LLM:
         """priority (one per prompt, as in vLLM): with --scheduling-policy priority, lower first."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

@@ -57,3 +57,11 @@ def test_unset_fields_take_the_models_defaults(folder, mode):
     else:                   # kvserve's defaults: up to the context's end
         assert all(count > 5 for count in tokens)
     assert explicit["usage"]["completion_tokens"] == 8          # a field the request sets wins
+
+
+def test_the_offline_api_defaults_to_the_models_sampling(folder):
+    from kvserve import LLM
+    with LLM(folder, kv_cache_memory=4 << 20, max_model_len=256) as llm:
+        assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().max_tokens) == (0.0, 5)
+        outputs = [llm.generate(["Once upon a time"], use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    assert len(outputs[0]) <= 5 and outputs[0] == outputs[1]
