@@ -18,6 +18,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **engine_options: Any) -> None:
         self.engine = Engine.from_options(model=model, **engine_options)
         self.chat_template = ChatTemplate(self.engine.tokenizer)     # the one the server renders with too
+        self._sampling_defaults = sampling_defaults(str(self.engine.source.path))     # read once
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -25,7 +26,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without sampling params (vLLM's name): SamplingParams with the model's
         generation_config.json defaults (R1: temperature 0.6, top_p 0.95) over kvserve's own."""
-        return SamplingParams(**sampling_defaults(str(self.engine.source.path)))
+        return SamplingParams(**self._sampling_defaults)
 
     def close(self) -> None:
         """Finishes the disk / remote KV tiers' writes (a later run finds them); idempotent."""

@@ -137,7 +137,7 @@ class KVCacheManager:
 
     # --- the host tier -----------------------------------------------------------------------------
     def _write_back(self, evicted: list[CachedBlock]) -> None:
-        self._touched.update(cached.block_id for cached in evicted)     # their write-backs gather them on the main stream
+        self._touched.update(cached.block_id for cached in evicted)     # the step in flight may still read them
         min_uses = self.write_back_min_uses
         kept = [cached for cached in evicted if cached.stats.count >= min_uses]
         self._write_back_depths.update((cached.block_id, cached.stats.depth) for cached in kept)
@@ -391,16 +391,18 @@ class KVCacheManager:
         return pin, self.prefix_cache.num_cached_of(hashes)
 
     # --- allocation ---------------------------------------------------------------------------------
+    def _quota_excess(self, tenant: Optional[str], needed: int) -> int:
+        """Blocks by which `needed` more would put `tenant` over its KV quota as things stand."""
+        quota = self.tenant_kv_quotas.get(tenant) if tenant is not None else None
+        return 0 if quota is None else max(0, self.pool.owned[tenant] + needed - quota)
+
     def quota_shortfall(self, tenant: Optional[str], needed: int, keep: Sequence[int] = ()) -> int:
         """Blocks by which `needed` more would put `tenant` over its KV quota once it has evicted
         all its own cached blocks (except `keep`: a prefix hit about to be taken); 0 if they fit."""
-        quota = self.tenant_kv_quotas.get(tenant) if tenant is not None else None
-        if quota is None:
+        over = self._quota_excess(tenant, needed)
+        if over == 0:
             return 0
         pool = self.pool
-        over = pool.owned[tenant] + needed - quota
-        if over <= 0:
-            return 0
         kept_own = sum(1 for block_id in keep if pool.ref_count(block_id) == 0 and pool.owner_of(block_id) == tenant)
         return max(0, over - (pool.evictable_owned[tenant] - kept_own))
 
@@ -453,13 +455,12 @@ class KVCacheManager:
     def _make_quota_room(self, tenant: Optional[str], needed: int, keep: Sequence[int]) -> bool:
         """Evicts the tenant's own cached blocks so `needed` more fit its quota; False (nothing
         evicted) if even that is not enough."""
-        if tenant is None or tenant not in self.tenant_kv_quotas:
+        over = self._quota_excess(tenant, needed)
+        if over == 0:
             return True
         if self.quota_shortfall(tenant, needed, keep) > 0:
             return False
-        over = self.pool.owned[tenant] + needed - self.tenant_kv_quotas[tenant]
-        if over > 0:
-            self.pool.evict_own(tenant, over, frozenset(keep))
+        self.pool.evict_own(tenant, over, frozenset(keep))
         return True
 
     def _load_from_host(self, request_id: str, host_ids: list[int], table: list[int],

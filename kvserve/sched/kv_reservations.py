@@ -23,12 +23,7 @@ class ClassReservations:
     @classmethod
     def from_config(cls, qos: QoSConfig, num_blocks: int, source: Optional[str]) -> Optional["ClassReservations"]:
         """None when no class reserves blocks; ValueError when the reservations exceed the pool."""
-        reserved = {}
-        for name, qos_class in qos.classes.items():
-            if qos_class.kv_reservation_blocks is not None:
-                reserved[name] = qos_class.kv_reservation_blocks
-            elif qos_class.kv_reservation_fraction is not None:
-                reserved[name] = max(1, int(qos_class.kv_reservation_fraction * num_blocks))
+        reserved = qos.kv_reservations(num_blocks)
         if not reserved:
             return None
         if sum(reserved.values()) > num_blocks:

@@ -65,13 +65,13 @@ class QoSConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def kv_quotas(self, num_blocks: int) -> dict[str, int]:
         """Tenant -> the GPU KV blocks it may hold, for a pool of `num_blocks` (tenants with a quota)."""
-        quotas = {}
-        for tenant, policy in self.tenants.items():
-            if policy.kv_quota_blocks is not None:
-                quotas[tenant] = policy.kv_quota_blocks
-            elif policy.kv_quota_fraction is not None:
-                quotas[tenant] = max(1, int(policy.kv_quota_fraction * num_blocks))
-        return quotas
+        return _blocks_by_name({tenant: (policy.kv_quota_blocks, policy.kv_quota_fraction)
+                                for tenant, policy in self.tenants.items()}, num_blocks)
+
+    def kv_reservations(self, num_blocks: int) -> dict[str, int]:
+        """Class -> the GPU KV blocks reserved for it, for a pool of `num_blocks` (classes with one)."""
+        return _blocks_by_name({name: (cls.kv_reservation_blocks, cls.kv_reservation_fraction)
+                                for name, cls in self.classes.items()}, num_blocks)
 
     def weight_of(self, tenant: Optional[str]) -> float:
         policy = self.tenants.get(tenant) if tenant is not None else None
@@ -91,6 +91,17 @@ class QoSConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise QoSClassForbidden(f"qos_class {requested!r} is not open to tenant {tenant!r} "
                                     f"(its classes: {', '.join(policy.classes)})")
         return requested
+
+
+def _blocks_by_name(given: dict[str, tuple[Optional[int], Optional[float]]], num_blocks: int) -> dict[str, int]:
+    """Name -> blocks, from a count or a fraction of the pool (at least 1); names with neither left out."""
+    blocks = {}
+    for name, (count, fraction) in given.items():
+        if count is not None:
+            blocks[name] = count
+        elif fraction is not None:
+            blocks[name] = max(1, int(fraction * num_blocks))
+    return blocks
 
 
 def load_qos_config(path: Optional[str]) -> QoSConfig:

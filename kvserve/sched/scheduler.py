@@ -52,7 +52,7 @@ from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import (TTFT_MARGIN, EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets,
                                first_token_delay_s)
 from kvserve.kvcache.manager import KVCacheManager, PrefixHit, blocks_for_tokens
-from kvserve.stats import SchedulerStats
+from kvserve.stats import ClassLatencyStats, SchedulerStats
 
 # Waiting requests the cache-aware order looks at per step (each costs a prefix lookup).
 CACHE_AWARE_WINDOW = 64
@@ -273,16 +273,13 @@ class Scheduler:
         while self.running and key(self.running[-1]) > key(best):
             if len(self.running) + len(self.loading) < self._admission_limit and self._fits(best, budget):
                 return
+            # A request within its class's KV reservation is not a borrower: its blocks stay.
+            held = self._class_blocks() if self.reservations is not None else {}
             position = len(self.running) - 1
-            if self.reservations is not None:
-                # A request within its class's KV reservation is not a borrower: its blocks stay.
-                held = self._class_blocks()
-                while position >= 0 and key(self.running[position]) > key(best) and not (
-                        self.running[position].qos_class == best.qos_class
-                        or self.reservations.is_borrowing(self.running[position].qos_class, held)):
-                    position -= 1
-                if position < 0 or key(self.running[position]) <= key(best):
-                    return
+            while position >= 0 and not self._may_preempt_for(self.running[position], best.qos_class, held):
+                position -= 1
+            if position < 0 or key(self.running[position]) <= key(best):
+                return
             victim = self.running.pop(position)
             self._preempt(victim)
             out.preempted.append(victim)
@@ -294,10 +291,15 @@ class Scheduler:
         if self.reservations is not None:
             held = self._class_blocks()
             for position in range(len(self.running) - 1, index - 1, -1):
-                other = self.running[position]
-                if other.qos_class == request.qos_class or self.reservations.is_borrowing(other.qos_class, held):
+                if self._may_preempt_for(self.running[position], request.qos_class, held):
                     return self.running.pop(position)
         return self.running.pop()
+
+    def _may_preempt_for(self, victim: Request, qos_class: Optional[str], held: dict[str, int]) -> bool:
+        """Whether `victim` may give its blocks to a request of `qos_class`: always without class
+        reservations; else if it is of that class, or its class holds more than its reservation."""
+        return (self.reservations is None or victim.qos_class == qos_class
+                or self.reservations.is_borrowing(victim.qos_class, held))
 
     def _class_blocks(self) -> dict[str, int]:
         """GPU blocks held by each class's running and loading requests."""
@@ -608,17 +610,16 @@ class Scheduler:
             needed = self.kv_manager.num_new_blocks_needed(request.request_id, kv_base + num_new, hit)
             if needed + self._admission_watermark_blocks > self.kv_manager.num_free_blocks and self.running:
                 break
-            if held is not None:
-                protected = self.reservations.protected_from(request.qos_class, held, class_work)
-                if needed + protected > self.kv_manager.num_free_blocks:
-                    continue            # it would take another class's reservation: it waits
-                if request.qos_class is not None:
-                    held[request.qos_class] = held.get(request.qos_class, 0) + needed
+            if held is not None and needed + self.reservations.protected_from(
+                    request.qos_class, held, class_work) > self.kv_manager.num_free_blocks:
+                continue                # it would take another class's reservation: it waits
             if self.kv_manager.quota_shortfall(request.tenant, needed, hit.block_ids if hit is not None else ()):
                 continue                # its tenant is at its KV quota: it waits, others may go
             if not self.kv_manager.allocate_slots(request.request_id, kv_base + num_new, hit,
                                                   request if caching else None, tenant=request.tenant):
                 break
+            if held is not None and request.qos_class is not None:
+                held[request.qos_class] = held.get(request.qos_class, 0) + needed
             if self.waiting[0] is request:
                 self.waiting.popleft()
             else:
@@ -770,7 +771,7 @@ class Scheduler:
                               self.num_preemptions_total, latency, len(self.loading), by_tenant,
                               self._class_stats(), quotas)
 
-    def _class_stats(self) -> tuple:
+    def _class_stats(self) -> tuple[ClassLatencyStats, ...]:
         if self.classes is None:
             return ()
         held = self._class_blocks()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from kvserve import envs
-from kvserve.config import _opt, add_dataclass_args
+from kvserve.config import _opt, add_dataclass_args, check_fields
+from kvserve.server.reasoning import PARSERS as REASONING_PARSERS
 
 
 @dataclass
@@ -53,11 +54,12 @@ class ServerConfig:
     reasoning_parser: Optional[str] = _opt(None, "split chat replies' <think>...</think> into message.reasoning_content "
                                                  "(also in stream deltas): deepseek_r1 (output starts inside the "
                                                  "think) or qwen3 (only when it opens one); default off",
-                                           choices=("deepseek_r1", "qwen3"))
+                                           choices=REASONING_PARSERS)
     api_server_count: int = _opt(1, "HTTP front-end processes on the one port (SO_REUSEPORT), all talking to "
                                     "the one engine core process")
 
     def validate(self) -> None:
+        check_fields(self)          # the fields' choices (generation_config, reasoning_parser)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_request_bytes", "max_n", "max_prompts_per_request", "api_server_count"):
@@ -69,10 +71,6 @@ class ServerConfig:
             self.served_model_name = [self.served_model_name]
         if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
             raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
-        if self.generation_config not in ("auto", "none"):
-            raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
-            raise ValueError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.allowed_hosts is not None and not _host_list(self.allowed_hosts):

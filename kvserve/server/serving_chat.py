@@ -68,9 +68,8 @@ class OpenAIServingChat(OpenAIServing):
                          in_reasoning: bool) -> None:
         if usage.reasoning_tokens is None:
             usage.reasoning_tokens = {}
-        decode = lambda ids: self.tokenizer.decode(list(ids))       # noqa: E731 - what sample.text is made of
         usage.reasoning_tokens[(request_id, sample.index)] = self.context.reasoning.reasoning_tokens(
-            sample.token_ids, decode, in_reasoning)
+            sample.token_ids, self.tokenizer.decode, in_reasoning)
 
     def _chat_logprobs(self, sample: CompletionOutput, start: int, num_top: int) -> list[dict[str, Any]]:
         content = []

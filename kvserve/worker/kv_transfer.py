@@ -7,10 +7,10 @@ in while other requests keep stepping on the main stream:
   stream into a staging slot (a device-speed copy, well under a millisecond), and the write stream
   then moves the slot to pinned host memory while the forward runs.
 - Copies into the device store (loads, swap-ins) go host -> staging slot on the load stream,
-  then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile). A load
-  whose blocks the step in flight may still touch (freed, published or evicted since the last step
-  was issued: `BlockCopy.after_inflight`, set by the KV manager) first waits for everything queued
-  on the main stream; any other load starts at once, so it lands a step earlier.
+  then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile). The link
+  copy starts at once; the scatters of a load whose blocks the step in flight may still touch
+  (freed, published or evicted since the last step was issued: `BlockCopy.after_inflight`, set by
+  the KV manager) first wait for everything queued on the main stream.
   The blocks belong to a request the scheduler holds back until its ticket is reported landed
   (`poll`, an event query: no host synchronisation in the step).
 - Writes and loads have a stream each because the link is full duplex: a write-back queued behind
@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from kvserve.kvstore import DEVICE_STORE, LOAD, SWAP_IN, WRITE_BACK, BlockCopy, KVCacheStore
+from kvserve.kvstore import DEVICE_STORE, LOAD, SWAP_IN, SWAP_OUT, WRITE_BACK, BlockCopy, KVCacheStore
 from kvserve.kvstore.staging import StagingRing
 from kvserve.stats import TransferStats
 
@@ -76,8 +76,11 @@ class _Pending:
     started: Optional[torch.cuda.Event] = None
     seconds: float = 0.0                   # measured on the host when synchronous
     host_ids: tuple[int, ...] = ()         # on CUDA: the host blocks it writes (out) or reads (in)
-    writes_host: bool = False
     failed: bool = False                   # a lost copy, reported failed once `done` (see _lose)
+
+    @property
+    def writes_host(self) -> bool:
+        return self.purpose in (WRITE_BACK, SWAP_OUT)
 
     def in_flight(self) -> bool:
         return self.done is not None and not self.done.query()
@@ -152,8 +155,7 @@ class KVTransfers:
         if copy.ticket is not None:
             # Its blocks go back to the pool once reported: not before a write-back still gathering
             # them off the main stream has read them.
-            events = [self._gathered[b] for b in copy.dst_block_ids if b in self._gathered]
-            if events:
+            if any(block_id in self._gathered for block_id in copy.dst_block_ids):
                 last = torch.cuda.Event()
                 last.record(self.write_stream)      # after every gather issued so far
                 self._pending.append(_Pending(copy.ticket, copy.purpose, 0, last, failed=True))
@@ -171,8 +173,7 @@ class KVTransfers:
         if room >= count:
             return copy
         by_depth = sorted(range(count), key=copy.depths.__getitem__) if copy.depths else range(count)
-        kept = sorted(by_depth[:room])
-        dropped = sorted(set(range(count)).difference(kept))
+        kept, dropped = sorted(by_depth[:room]), sorted(by_depth[room:])
         self.write_back_blocks_dropped += len(dropped)
         self._report.lost_host_blocks.extend(copy.dst_block_ids[index] for index in dropped)
         logger.debug("write-back of %d blocks: %d dropped, the bound (%d bytes) is in flight",
@@ -240,8 +241,7 @@ class KVTransfers:
                                  self._gathered)
         done = torch.cuda.Event(enable_timing=True)
         done.record(side)
-        pending = _Pending(copy.ticket, copy.purpose, nbytes, done, started, host_ids=copy.dst_block_ids,
-                           writes_host=True)
+        pending = _Pending(copy.ticket, copy.purpose, nbytes, done, started, host_ids=copy.dst_block_ids)
         self._last_write.update(dict.fromkeys(copy.dst_block_ids, pending))
         return pending
 
