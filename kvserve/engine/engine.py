@@ -20,6 +20,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.cold_tiers import ColdTierBridge, build_cold_tiers, model_fingerprint
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.press_control import PressControl
+from kvserve.engine.structured_output import StructuredOutputs
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.qos_config import QoSClassForbidden
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
+from kvserve.structured.grammar import GrammarUnavailable
 from kvserve.stats import EngineStats, ExpertLoadStats, TenantUsage
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.memory_pressure import HostTierSizer, PressureMonitor
@@ -44,6 +46,7 @@ from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cac
 from kvserve.worker.memory_profile import (HOST_TIER_SEGMENTS, available_host_memory, cuda_kv_budget,
                                            default_host_tier_bytes)
 from kvserve.worker.runner import InflightStep, ModelRunner, StepResult
+from kvserve.worker.sampler import GrammarBitmask
 
 logger = logging.getLogger("kvserve")
 
@@ -182,6 +185,10 @@ class Engine:
         mode = config.scheduler_config.async_scheduling
         self._async = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self._inflight: Optional[InflightStep] = None
+        # Structured output: grammar matchers per constrained request (docs/structured_output.md).
+        self.structured = StructuredOutputs(self.tokenizer, self.model.config.vocab_size, sorted(self.eos_token_ids),
+                                            pin_memory=self.device.type == "cuda")
+        self._grammar_outputs: list[RequestOutput] = []
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max_model_len %d",
                     num_blocks, block_size, capacity, self.kv_spec.describe(), max_model_len)
         self.reset_expert_load()      # the profiling step is not load
@@ -330,9 +337,10 @@ class Engine:
                                               pin_prefix_tokens=pin_prefix_tokens)
             self.press.plan_for(params)          # checked once for the group; each child gets its own plan
             qos_class = self.scheduler.qos.class_for(cache_opts.tenant, params.qos_class)
+            grammar = self.structured.compile(params)
         except QoSClassForbidden as exc:
             raise RequestForbidden(str(exc)) from None
-        except ValueError as exc:
+        except (ValueError, GrammarUnavailable) as exc:
             raise RequestRejected(str(exc)) from None
         if qos_class is not None:
             priority = self.scheduler.qos.classes[qos_class].priority
@@ -370,6 +378,8 @@ class Engine:
             child.press = self.press.plan_for(child_params)
             if forced_token_ids is not None:
                 child.forced_token_ids = [int(t) for t in forced_token_ids]
+            if grammar is not None:
+                self.structured.add(child.request_id, grammar)
             if child.press is not None:
                 child.publish_limit = 0          # until its press says which blocks it left intact
                 child.press_stop = child.num_prompt_tokens
@@ -413,6 +423,7 @@ class Engine:
         for child in group.children:
             self.scheduler.abort(child.request_id)
             self._child_to_group.pop(child.request_id, None)
+            self.structured.remove(child.request_id)
             if self.cold is not None:
                 self.cold.forget(child.request_id)
         self._count_finished(reason, len(group.children))
@@ -439,6 +450,7 @@ class Engine:
         del self._groups[group.request_id]
         for child in group.children:
             self._child_to_group.pop(child.request_id, None)
+            self.structured.remove(child.request_id)
             self._count_finished(child.finish_reason or "abort", 1)
         self._count_tenant_usage(group, group.children[0].finish_reason or "abort")
 
@@ -484,7 +496,10 @@ class Engine:
                 return outputs
             press_due = self.press.due(sched_out)
             if self._async and not press_due and self.runner.can_launch_ahead(sched_out):
-                launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight)
+                launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight,
+                                              self._grammar_bitmask)
+                outputs += self._grammar_outputs
+                self._grammar_outputs = []
                 if self._inflight is not None:
                     outputs += self._finish_inflight()
                 for item in sched_out.scheduled:
@@ -615,13 +630,24 @@ class Engine:
         needed = len(self.scheduler.running) + sched.max_num_batched_tokens // block_size + 1
         return self.kv_manager.num_free_blocks < needed or self.scheduler.wants_priority_preemption()
 
+    def _grammar_bitmask(self, requests: list[Request]) -> Optional[GrammarBitmask]:
+        """The runner's grammar hook: called with a step's sampled rows once its forward is queued.
+        A constrained row's mask needs its previous token, so a launched-ahead step reads the step
+        before it here (its outputs go out with this step's), then fills the masks while the
+        device computes."""
+        if not self.structured.active or not any(self.structured.has(r.request_id) for r in requests):
+            return None
+        if self._inflight is not None:
+            self._grammar_outputs += self._finish_inflight()
+        return self.structured.bitmask([r.request_id for r in requests])
+
     def _finish_inflight(self) -> list[RequestOutput]:
         inflight, self._inflight = self._inflight, None
         return self._process_results(inflight.results(), pending=True)
 
     def _run_step(self, sched_out: SchedulerOutput, press_due: Optional[dict[str, int]] = None) -> list[RequestOutput]:
         observe = {rid: rows for rid, rows in (press_due or {}).items() if rows}
-        results = self.runner.execute(sched_out, self.kv_manager.block_tables, observe)
+        results = self.runner.execute(sched_out, self.kv_manager.block_tables, observe, self._grammar_bitmask)
         for item in sched_out.scheduled:
             self.scheduler.advance(item)
         if press_due:
@@ -646,6 +672,8 @@ class Engine:
                 self.scheduler.fill_pending_token(request, result.token_id, self.eos_token_ids)
             else:
                 self.scheduler.append_token(request, result.token_id, self.eos_token_ids)
+            if self.structured.accept(request.request_id, result.token_id) and not request.is_finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)   # its grammar is complete
             self.stats.generation_tokens_total += 1
             if result.logprobs is not None:
                 request.output_logprobs.append(result.logprobs)

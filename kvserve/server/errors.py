@@ -74,9 +74,10 @@ def from_value_error(exc: ValueError, default_param: Optional[str] = None) -> AP
     import dataclasses
 
     from kvserve.sampling_params import SamplingParams
+    from kvserve.server.structured_fields import SOURCES
     message = str(exc) or "invalid request"
     first_word = message.split(" ", 1)[0]
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} | set(SOURCES)
     param = first_word if first_word in fields else default_param
     code = "context_length_exceeded" if "max_model_len" in message else None
     return APIError(400, message, param=param, code=code)

@@ -5,8 +5,8 @@ field, not a silent coercion. Range checks live in SamplingParams (one owner); w
 can know (served model name, n limit, context length) lives in serving_base.py.
 
 Fields this server does not know are ignored, as vLLM does, so clients sending newer fields keep
-working; but a field it recognises from OpenAI or vLLM and does not implement (guided
-decoding, tools, logit_bias, ...) is a 400 naming it (each model's UNSUPPORTED table), because
+working; but a field it recognises from OpenAI or vLLM and does not implement (logit_bias,
+beam search, ...) is a 400 naming it (each model's UNSUPPORTED table), because
 ignoring it would answer 200 with output the client did not ask for. Each entry lists the values
 that leave the output unchanged (null always), which pass: SDKs send `tool_choice: "none"`,
 `logit_bias: {}` and the like by default.
@@ -68,13 +68,10 @@ class _Strict(BaseModel):
         return data
 
 
-_GUIDED = _unsupported("guided decoding (vLLM's guided_* and structured_outputs) is not supported by this server",
-                       "guided_json guided_regex guided_choice guided_grammar guided_whitespace_pattern "
-                       "guided_decoding_backend structured_outputs")
 # Both generation endpoints: constraints and vLLM sampling options the engine does not have.
 _SAMPLING_UNSUPPORTED = {
-    **_GUIDED,
-    "response_format": Unsupported("only {\"type\": \"text\"} is supported", ({"type": "text"},)),
+    "guided_whitespace_pattern": Unsupported("not supported: JSON output is compact (docs/structured_output.md)"),
+    "guided_decoding_backend": Unsupported("the grammar engine is xgrammar", ("xgrammar", "auto")),
     "logit_bias": Unsupported("not supported by this server", ({},)),
     **_unsupported("not supported by this server", "logits_processors allowed_token_ids vllm_xargs"),
     "bad_words": Unsupported("not supported by this server", ([],)),
@@ -90,6 +87,32 @@ _SAMPLING_UNSUPPORTED = {
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="usage in every chunk (extension)")
+
+
+class JsonSchemaFormat(_Strict):
+    # "schema" and "json" would shadow pydantic's own attributes: aliases carry the wire names.
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: Optional[str] = Field(None, max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema", description="the JSON schema the output follows")
+    strict: Optional[bool] = Field(None, description="always strict: the output always follows the schema")
+
+
+class ResponseFormat(_Strict):
+    UNSUPPORTED = {"structural_tag": Unsupported("structural tags are not supported by this server")}
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    UNSUPPORTED = {**_unsupported("not supported by this server", "structural_tag whitespace_pattern")}
+    json_schema: Union[dict[str, Any], str, None] = Field(None, alias="json", description="a JSON schema")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = Field(None, description="an EBNF grammar (GBNF style) with a rule named root")
+    json_object: Optional[bool] = None
 
 
 class _SamplingFields(_Strict):
@@ -141,6 +164,13 @@ class _SamplingFields(_Strict):
     qos_class: Optional[str] = Field(None, max_length=64,
                                      description="request class (extension; --qos-config): its priority and p99 "
                                                  "latency targets; default: the tenant's class")
+    # Structured output (docs/structured_output.md): at most one of these.
+    response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
+    guided_json: Union[dict[str, Any], str, None] = Field(None, description="a JSON schema (vLLM)")
+    guided_regex: Optional[str] = Field(None, description="a regular expression the output matches (vLLM)")
+    guided_choice: Optional[list[str]] = Field(None, description="the output is one of these strings (vLLM)")
+    guided_grammar: Optional[str] = Field(None, description="an EBNF grammar with a rule named root (vLLM)")
+    structured_outputs: Optional[StructuredOutputsField] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -249,5 +279,7 @@ REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, Det
 UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string, a list of strings or null",
+    "guided_json": "must be a JSON schema (an object or its text) or null",
+    "json": "must be a JSON schema (an object or its text) or null",
     "content": "must be a string, a list of {\"type\": \"text\", \"text\": ...} parts or null",
 }

@@ -35,6 +35,7 @@ from kvserve.engine.chat_template import ChatTemplate, ChatTemplateError, NoChat
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected
+from kvserve.server.structured_fields import structured_output_of
 from kvserve.sched.slo import RequestOverloaded
 from kvserve.model.loader.generation_config import sampling_defaults
 from kvserve.server.config import ServerConfig
@@ -234,7 +235,8 @@ class OpenAIServing:
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, kv_press=req.kv_press,
                 kv_keep_ratio=req.kv_keep_ratio, kv_keep_tokens=req.kv_keep_tokens,
-                kv_press_mode=req.kv_press_mode, qos_class=req.qos_class)
+                kv_press_mode=req.kv_press_mode, qos_class=req.qos_class,
+                structured_output=structured_output_of(req))
         except ValueError as exc:
             raise from_value_error(exc) from None
 

@@ -9,6 +9,7 @@ numpy on the host and moved to the device in one copy per tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -22,7 +23,12 @@ from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_path import choose_forward
 from kvserve.worker.kv_sizing import spec_from_config
 from kvserve.worker.kv_transfer import KVTransfers
-from kvserve.worker.sampler import LogprobTensors, Sampler, SamplingRow, compute_prompt_logprobs
+from kvserve.worker.sampler import GrammarBitmask, LogprobTensors, Sampler, SamplingRow, compute_prompt_logprobs
+
+# Called once a step's forward is queued and before its sampling, with the requests of its sampled
+# rows: the engine brings their grammars up to date (reading the previous step's tokens) and
+# returns the bitmask of the constrained rows, on the host while the device runs the forward.
+GrammarHook = Callable[[list[Request]], Optional[GrammarBitmask]]
 
 
 
@@ -298,28 +304,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
-                observe: dict[str, int] | None = None) -> list[StepResult]:
+                observe: dict[str, int] | None = None, grammar: GrammarHook | None = None) -> list[StepResult]:
         _, hidden, sample_rows, row_requests = self._forward(sched_out, block_tables, observe=observe)
         if not row_requests:
             return []
         logits = self._sampled_logits(hidden, sample_rows)
-        result = self.sampler(logits, self._sampling_rows(row_requests), self.eos_token_ids)
+        bitmask = grammar(row_requests) if grammar is not None else None
+        result = self.sampler(logits, self._sampling_rows(row_requests), self.eos_token_ids, bitmask)
         return [StepResult(request, token, lp)
                 for request, token, lp in zip(row_requests, result.token_ids, result.logprobs)]
 
     @torch.inference_mode()
     def launch(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
-               previous: InflightStep | None) -> InflightStep | None:
+               previous: InflightStep | None, grammar: GrammarHook | None = None) -> InflightStep | None:
         """Queues a step on the device without waiting for it: decodes whose input token is still
         pending read it from `previous` on the device, and the sampled tokens start their copy to
         the host. Only for steps whose sampling needs no host-side token history (see
-        `can_launch_ahead`)."""
+        `can_launch_ahead`); a grammar's mask (`grammar`) is the exception: it is built on the host
+        while this step's forward runs, after the previous step's tokens are read."""
         _, hidden, sample_rows, row_requests = self._forward(sched_out, block_tables, previous)
         if not row_requests:
             return None
         logits = self._sampled_logits(hidden, sample_rows)
         rows = self._sampling_rows(row_requests)
-        token_ids, logprobs = self.sampler.select(logits, rows, self.eos_token_ids)
+        bitmask = grammar(row_requests) if grammar is not None else None
+        token_ids, logprobs = self.sampler.select(logits, rows, self.eos_token_ids, bitmask)
         host_logprobs = logprobs.to_host() if logprobs is not None else None
         ready = None
         if token_ids.is_cuda:

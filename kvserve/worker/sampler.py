@@ -8,6 +8,7 @@ Processing order (the one vLLM and HF use, so outputs are comparable):
 
 1. raw logprobs (log_softmax of the untouched logits) for rows that asked for logprobs;
 2. min_tokens: EOS and stop_token_ids are masked until the request has min_tokens outputs;
+   structured output: tokens its grammar does not allow next are masked (a bitmask per row);
 3. repetition penalty (HF style, over prompt + output tokens);
 4. frequency / presence penalties (OpenAI style, over output tokens only);
 5. greedy rows take the argmax of the penalised logits;
@@ -53,6 +54,14 @@ class SamplingRow:
     # Teacher forcing (an internal request option, kvserve/eval/forced_decoding.py): the row takes
     # this token instead of sampling, and its logprobs are those of this token.
     forced_token_id: Optional[int] = None
+
+
+@dataclass
+class GrammarBitmask:
+    """The tokens each constrained row may take next (structured output, kvserve/structured): bit
+    t % 32 of word t // 32 of a row set means token t is allowed. Only rows with a grammar have one."""
+    row_ids: list[int]          # the rows of the batch these belong to
+    bitmask: torch.Tensor       # [len(row_ids), ceil(V / 32)] int32, on the host (pinned for CUDA)
 
 
 @dataclass
@@ -151,6 +160,24 @@ def min_tokens_bans(rows: Sequence[SamplingRow], eos_token_ids: set[int]) -> lis
         else:
             bans.append([])
     return bans
+
+
+_BIT_POSITIONS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> torch.Tensor:
+    """-inf for every token a row's grammar forbids. The bits are unpacked on the logits' device
+    (a [rows, V] bool mask from [rows, V / 32] words), so the host sends 1/32 of a byte mask."""
+    device, vocab_size = logits.device, logits.shape[-1]
+    bits = _BIT_POSITIONS.get(device)
+    if bits is None:
+        bits = _BIT_POSITIONS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = grammar.bitmask.to(device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)[:, :vocab_size]
+    if len(grammar.row_ids) == logits.shape[0] and grammar.row_ids == list(range(logits.shape[0])):
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = _index_tensor(grammar.row_ids, device)
+    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
@@ -268,16 +295,16 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 eos_token_ids: set[int]) -> SampleResult:
+                 eos_token_ids: set[int], grammar: Optional[GrammarBitmask] = None) -> SampleResult:
         """`select`, then the tokens and logprobs read on the host."""
         if not rows and logits.dim() == 2 and logits.shape[0] == 0:
             return SampleResult(token_ids=[], logprobs=[], ranks=[])
-        token_ids, logprobs = self.select(logits, rows, eos_token_ids)
+        token_ids, logprobs = self.select(logits, rows, eos_token_ids, grammar)
         entries, ranks = logprobs.entries(rows) if logprobs is not None else ([None] * len(rows), [None] * len(rows))
         return SampleResult(token_ids=token_ids.tolist(), logprobs=entries, ranks=ranks)
 
-    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int]
-               ) -> tuple[torch.Tensor, Optional[LogprobTensors]]:
+    def select(self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: set[int],
+               grammar: Optional[GrammarBitmask] = None) -> tuple[torch.Tensor, Optional[LogprobTensors]]:
         """Token ids [rows] and the logprobs asked for, left on the device. Penalties read the
         rows' token history on the host; a batch without them needs nothing from the host, so the
         overlapped scheduler launches it before the previous step's tokens are known (logprobs
@@ -289,6 +316,8 @@ class Sampler:
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = self._raw_logprobs(logits, logprob_rows)
         logits = apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids))
+        if grammar is not None and grammar.row_ids:
+            logits = apply_grammar_bitmask(logits, grammar)
         token_ids = self._force(self._select_tokens(self._apply_penalties(logits, rows), rows), rows)
         if raw_logprobs is None:
             return token_ids, None

@@ -447,17 +447,8 @@ def test_unexpected_engine_errors_are_not_sent_to_the_client(tiny_model, monkeyp
 # --------------------------------------------------------------------------------------------------
 
 UNSUPPORTED = [
-    (CHAT, "guided_json", {"type": "object"}),
-    (COMPLETIONS, "guided_json", {"type": "object"}),
-    (CHAT, "guided_regex", "[a-z]+"),
-    (CHAT, "guided_choice", ["yes", "no"]),
-    (CHAT, "guided_grammar", "root ::= 'x'"),
     (CHAT, "guided_whitespace_pattern", " "),
-    (CHAT, "guided_decoding_backend", "xgrammar"),
-    (CHAT, "structured_outputs", {"json": {"type": "object"}}),
-    (CHAT, "response_format", {"type": "json_object"}),
-    (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    (COMPLETIONS, "response_format", {"type": "json_object"}),
+    (CHAT, "guided_decoding_backend", "outlines"),
     (CHAT, "logit_bias", {"5": 1.0}),
     (COMPLETIONS, "logit_bias", {"5": 1.0}),
     (CHAT, "logits_processors", ["x"]),

@@ -1,0 +1,67 @@
+"""The sampler's grammar mask: the packed bitmask (bit t % 32 of word t // 32) unpacked on the
+logits' device forbids exactly the tokens whose bit is clear, in the constrained rows only; and a
+real xgrammar matcher's mask lets through exactly the tokens its grammar allows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import requires_cuda, requires_default_model
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.sampler import GrammarBitmask, Sampler, SamplingRow, apply_grammar_bitmask
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[rows, V] bool -> [rows, ceil(V / 32)] int32 words, the reference packing."""
+    rows, vocab = allowed.shape
+    words = torch.zeros(rows, (vocab + 31) // 32, dtype=torch.int64)
+    for row in range(rows):
+        for token in allowed[row].nonzero().flatten().tolist():
+            words[row, token // 32] |= 1 << (token % 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_only_the_allowed_tokens_of_the_constrained_rows_survive(device):
+    generator = torch.Generator().manual_seed(0)
+    vocab = 100                       # not a multiple of 32: the last word's high bits are past the vocab
+    logits = torch.randn(4, vocab, generator=generator)
+    allowed = torch.rand(2, vocab, generator=generator) < 0.3
+    allowed[:, 31] = True             # bit 31: the sign bit of an int32 word
+    masked = apply_grammar_bitmask(logits.to(device), GrammarBitmask([1, 3], _pack(allowed))).cpu()
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    for constrained, row in ((0, 1), (1, 3)):
+        keep = allowed[constrained]
+        assert torch.equal(masked[row][keep], logits[row][keep])
+        assert torch.isneginf(masked[row][~keep]).all()
+
+
+def test_a_greedy_row_takes_its_best_allowed_token():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.0, 2.0]])
+    allowed = torch.tensor([[False, False, True, True]])
+    rows = [SamplingRow(SamplingParams(temperature=0), [1], []) for _ in range(2)]
+    result = Sampler()(logits, rows, set(), GrammarBitmask([0], _pack(allowed)))
+    assert result.token_ids == [2, 0]
+
+
+@requires_default_model
+def test_xgrammar_masks_follow_the_grammar():
+    from kvserve.model.loader import resolve_model
+    from kvserve.structured.grammar import GrammarCompiler, GrammarMatcher, bitmask_words
+    from kvserve.structured.params import StructuredOutputParams
+
+    tokenizer = resolve_model(None).load_tokenizer()
+    vocab = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    matcher = GrammarMatcher(compiler.compile(StructuredOutputParams(choice=["yes", "no"])))
+    bitmask = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    logits = apply_grammar_bitmask(torch.zeros(1, vocab), GrammarBitmask([0], bitmask))
+    allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
+    assert allowed and all("yes".startswith(text) or "no".startswith(text) for text in allowed), allowed
+    assert {"yes", "no"} & allowed or {"y", "n"} & allowed
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert all(matcher.accept(t) for t in yes)
+    assert not matcher.is_terminated and not matcher.accept(yes[0])     # nothing but the end may follow
+    assert matcher.accept(tokenizer.eos_token_id) and matcher.is_terminated
