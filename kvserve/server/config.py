@@ -16,6 +16,7 @@ from typing import Optional
 from kvserve import envs
 from kvserve.config import _opt, add_dataclass_args, check_fields
 from kvserve.server.reasoning import PARSERS as REASONING_PARSERS
+from kvserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 
 @dataclass
@@ -55,11 +56,21 @@ class ServerConfig:
                                                  "(also in stream deltas): deepseek_r1 (output starts inside the "
                                                  "think) or qwen3 (only when it opens one); default off",
                                            choices=REASONING_PARSERS)
+    tool_call_parser: Optional[str] = _opt(None, "read tool calls out of chat replies (tool_choice auto) in the "
+                                                 "format the model's template uses: hermes (Qwen2.5/3, "
+                                                 "R1-Distill-Qwen), llama3_json (Llama 3.1/3.2), deepseek_v3 "
+                                                 "(DeepSeek-V3/R1); needs --enable-auto-tool-choice",
+                                           choices=TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = _opt(False, "let requests with tools use tool_choice auto (the default), "
+                                                "read by --tool-call-parser; without it only required and named "
+                                                "tool choices are served")
     api_server_count: int = _opt(1, "HTTP front-end processes on the one port (SO_REUSEPORT), all talking to "
                                     "the one engine core process")
 
     def validate(self) -> None:
-        check_fields(self)          # the fields' choices (generation_config, reasoning_parser)
+        check_fields(self)          # the fields' choices (generation_config, reasoning_parser, tool_call_parser)
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes, llama3_json or deepseek_v3)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_request_bytes", "max_n", "max_prompts_per_request", "api_server_count"):

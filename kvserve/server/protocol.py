@@ -191,27 +191,61 @@ class TextContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(..., max_length=64)
+    arguments: str = Field(..., description="the arguments as a JSON text")
+
+
+class MessageToolCall(_Strict):
+    id: str = Field(..., max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    # Fields a chat template may render (tool calls, reasoning): they are not passed to it, so a
-    # message carrying one is refused rather than rendered without it.
+    # Fields a chat template may render (reasoning): they are not passed to it, so a message
+    # carrying one is refused rather than rendered without it.
     UNSUPPORTED = {**_unsupported("not supported in messages by this server",
-                                  "function_call audio reasoning_content reasoning thinking tool_call_id"),
-                   "tool_calls": Unsupported("tool calls are not supported by this server", ([],))}
+                                  "function_call audio reasoning_content reasoning thinking")}
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = Field(None, description="passed to the chat template")
+    tool_calls: Optional[list[MessageToolCall]] = Field(None, description="an assistant's calls, rendered by the "
+                                                                          "chat template")
+    tool_call_id: Optional[str] = Field(None, max_length=256, description="a tool message: the call it answers")
 
 
-_TOOLS = {"tools": Unsupported("tools are not supported by this server", ([],)),
-          "chat_template": Unsupported("a chat template from the request is not accepted (the model's own is used)")}
+class FunctionDefinition(_Strict):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(None, description="a JSON schema of the arguments object")
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_TEMPLATE = {"chat_template": Unsupported("a chat template from the request is not accepted (the model's own "
+                                           "or --chat-template is used)")}
+_TOOLS = {"tools": Unsupported("tools are only taken by /v1/chat/completions", ([],)), **_TEMPLATE}
 
 
 class ChatCompletionRequest(_SamplingFields):
     UNSUPPORTED = {
-        **_SAMPLING_UNSUPPORTED, **_TOOLS,
-        # "none" and "auto" mean no tool call when there are no tools.
-        **_unsupported("tool calls are not supported by this server", "tool_choice function_call", ("none", "auto")),
-        "functions": Unsupported("tool calls are not supported by this server", ([],)),
+        **_SAMPLING_UNSUPPORTED, **_TEMPLATE,
+        "function_call": Unsupported("the legacy functions API is not supported: use tools", ("none", "auto")),
+        "functions": Unsupported("the legacy functions API is not supported: use tools", ([],)),
         "documents": Unsupported("documents (RAG) are not supported by this server", ([],)),
         "audio": Unsupported("audio output is not supported by this server"),
         "modalities": Unsupported("only modalities [\"text\"] is supported", (["text"],)),
@@ -234,6 +268,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description=_TEMPLATE_KWARGS_HELP)
+    tools: Optional[list[ChatTool]] = Field(None, description="functions the model may call (docs/tool_calling.md)")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="none, auto (the default with tools; needs --enable-auto-tool-choice), required, or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call")
 
 
 class TokenizeRequest(_Strict):
@@ -282,4 +321,5 @@ UNION_HINTS = {
     "guided_json": "must be a JSON schema (an object or its text) or null",
     "json": "must be a JSON schema (an object or its text) or null",
     "content": "must be a string, a list of {\"type\": \"text\", \"text\": ...} parts or null",
+    "tool_choice": "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
 }

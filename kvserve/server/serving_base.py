@@ -36,6 +36,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.server.structured_fields import structured_output_of
+from kvserve.server.tools import template_tool_calls
 from kvserve.sched.slo import RequestOverloaded
 from kvserve.model.loader.generation_config import sampling_defaults
 from kvserve.server.config import ServerConfig
@@ -292,7 +293,8 @@ class OpenAIServing:
 
     async def apply_chat_template(self, messages: list[ChatMessage], add_generation_prompt: bool,
                                   continue_final_message: bool,
-                                  chat_template_kwargs: Optional[dict[str, Any]]) -> list[int]:
+                                  chat_template_kwargs: Optional[dict[str, Any]],
+                                  tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         """The conversation's prompt token ids, rendered by the ChatTemplate LLM.chat uses; the
         argument checks answer here (400s), the render runs on the tokenizer thread."""
         self._require_tokenizer("chat")
@@ -307,7 +309,8 @@ class OpenAIServing:
         variables = self._template_variables(chat_template_kwargs)
 
         def render_and_encode() -> list[int]:
-            return renderer.encode(conversation, add_generation_prompt, continue_final_message, variables=variables)
+            return renderer.encode(conversation, add_generation_prompt, continue_final_message, tools=tools,
+                                   variables=variables)
         try:
             return await self._run_in_tokenizer(render_and_encode)
         except Exception as exc:
@@ -422,10 +425,14 @@ class OpenAIServing:
             raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
-    rendered = {"role": message.role, "content": _message_text(message)}
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": _message_text(message)}
     if message.name is not None:
         rendered["name"] = message.name
+    if message.tool_calls:
+        rendered["tool_calls"] = template_tool_calls(message)
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
     return rendered
 
 

@@ -11,7 +11,9 @@ from kvserve.structured.params import StructuredOutputParams
 
 GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
           ("guided_grammar", "grammar"))
-SOURCES = ("response_format", "structured_outputs", *(name for name, _ in GUIDED))
+# The fields a constraint can come from; tool_choice required / a named function constrains the
+# reply too (server/tools.py), and its errors name tools or tool_choice.
+SOURCES = ("response_format", "structured_outputs", *(name for name, _ in GUIDED), "tools", "tool_choice")
 
 
 def structured_output_of(req: Any) -> Optional[StructuredOutputParams]:

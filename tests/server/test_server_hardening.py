@@ -461,9 +461,6 @@ UNSUPPORTED = [
     (CHAT, "return_tokens_as_token_ids", True),
     (CHAT, "vllm_xargs", {"a": 1}),
     (COMPLETIONS, "suffix", "x"),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (CHAT, "tool_choice", "required"),
-    (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "function_call", {"name": "f"}),
     (CHAT, "documents", [{"title": "t", "text": "x"}]),
@@ -488,11 +485,8 @@ def test_recognised_but_unsupported_fields_are_refused(open_server, path, field,
     assert field in error["message"]
 
 
-@pytest.mark.parametrize("field,value", [("tool_calls", [{"id": "1", "type": "function",
-                                                          "function": {"name": "f", "arguments": "{}"}}]),
-                                         ("function_call", {"name": "f", "arguments": "{}"}),
-                                         ("reasoning_content", "let me think"), ("tool_call_id", "call-1"),
-                                         ("audio", {"id": "a"})])
+@pytest.mark.parametrize("field,value", [("function_call", {"name": "f", "arguments": "{}"}),
+                                         ("reasoning_content", "let me think"), ("audio", {"id": "a"})])
 def test_unsupported_message_fields_are_refused(open_server, field, value):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", field: value},
                 {"role": "user", "content": "and?"}]
