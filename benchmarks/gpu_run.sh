@@ -3,6 +3,7 @@
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
 #   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [hostloadpair] [overload] [multiturn] [coldtiers] [press] [presstier]
+#   [structured]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -151,4 +152,15 @@ if [[ $what == *" coldtiers "* ]]; then   # a 32k prefix from the disk and Redis
       --dtype bfloat16 --kv-cache-dtype "$kv" --prefix-tokens 32768 --kv-cache-memory 8GiB --kv-host-memory 16GiB \
       --kv-disk-size 32GiB ${redis:+--redis-server "$redis"} --json "$OUT/$name.json" 2>&1 | tail -8 | tee "$OUT/gpu_$name.log"
   done
+fi
+if [[ $what == *" structured "* ]]; then   # structured output and tools on CUDA (overlapped steps), and its cost (issue 31)
+  timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider tests/structured tests/server/test_server_structured_output.py \
+    tests/server/test_server_tools.py tests/server/test_server_reasoning.py tests/engine/test_async_scheduling.py \
+    tests/worker > "$OUT/gpu_tests_structured.log" 2>&1
+  tail -3 "$OUT/gpu_tests_structured.log"
+  # A Qwen-7B-shaped model with dummy weights and the default model's tokenizer (.bench_model, made
+  # by the script's --tokenizer default where the default model is installed).
+  timeout 240 python3 benchmarks/engine/structured_output_bench.py --model ${STRUCTURED_MODEL:-.bench_model/r1-distill-qwen-7b-smollm2-tokenizer} \
+    --load-format dummy --dtype bfloat16 --kv-cache-memory 20GiB --batch-sizes 1,32 --rounds 3 \
+    --json "$OUT/h200_structured_output_qwen7b.json" 2>&1 | grep -v Warn | tail -3 | tee "$OUT/gpu_structured_bench.log"
 fi
