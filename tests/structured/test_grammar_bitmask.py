@@ -65,3 +65,31 @@ def test_xgrammar_masks_follow_the_grammar():
     assert all(matcher.accept(t) for t in yes)
     assert not matcher.is_terminated and not matcher.accept(yes[0])     # nothing but the end may follow
     assert matcher.accept(tokenizer.eos_token_id) and matcher.is_terminated
+
+
+@requires_default_model
+def test_length_bounded_strings_keep_control_characters_out():
+    """xgrammar 0.2.9 lets raw control characters into minLength / maxLength strings; the compiler
+    rewrites those bounds as a pattern of JSON characters (grammar._bound_strings)."""
+    from kvserve.model.loader import resolve_model
+    from kvserve.structured.grammar import GrammarCompiler, GrammarMatcher, bitmask_words
+    from kvserve.structured.params import StructuredOutputParams
+
+    tokenizer = resolve_model(None).load_tokenizer()
+    vocab = len(tokenizer)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 2, "maxLength": 4}},
+              "required": ["name"], "additionalProperties": False}
+    matcher = GrammarMatcher(GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id]).compile(
+        StructuredOutputParams(json=schema)))
+    prefix = tokenizer.encode('{"name": "a', add_special_tokens=False)
+    assert all(matcher.accept(t) for t in prefix)
+    bitmask = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = torch.isfinite(apply_grammar_bitmask(torch.zeros(1, vocab), GrammarBitmask([0], bitmask))[0])
+    control = [t for t in range(vocab) if any(ord(c) < 32 for c in tokenizer.decode([t]))]
+    assert control and not allowed[control].any()
+    quote = tokenizer.encode('"', add_special_tokens=False)
+    assert not allowed[quote[0]]                              # minLength 2: "a" is too short
+    for token in tokenizer.encode('bcd', add_special_tokens=False):
+        assert matcher.accept(token)
+    assert not matcher.accept(tokenizer.encode('e', add_special_tokens=False)[0])     # maxLength 4
