@@ -51,7 +51,8 @@ class ServerConfig:
     generation_config: str = _opt("auto", "auto: sampling fields a request leaves unset take the model's "
                                           "generation_config.json defaults (temperature, top_p, top_k, min_p, "
                                           "repetition_penalty, max_new_tokens), as vLLM does; none: kvserve's own "
-                                          "defaults (temperature 1, top_p 1)", choices=("auto", "none"))
+                                          "defaults (temperature 1, top_p 1); vllm: the same as none (vLLM's "
+                                          "name for its own defaults)", choices=("auto", "none", "vllm"))
     reasoning_parser: Optional[str] = _opt(None, "split chat replies' <think>...</think> into message.reasoning_content "
                                                  "(also in stream deltas): deepseek_r1 (output starts inside the "
                                                  "think) or qwen3 (only when it opens one); default off",

@@ -39,7 +39,7 @@ def test_the_engine_stops_at_every_eos_the_file_lists(folder):
     assert {7, 9} <= engine.eos_token_ids
 
 
-@pytest.mark.parametrize("mode", ["auto", "none"])
+@pytest.mark.parametrize("mode", ["auto", "none", "vllm"])
 def test_unset_fields_take_the_models_defaults(folder, mode):
     server = LoopbackServer(engine_options=dict(model=folder, max_model_len=256, kv_cache_memory=4 << 20),
                             generation_config=mode)
