@@ -26,7 +26,6 @@ class StructuredOutputs:
         self._compiler: Optional[GrammarCompiler] = None
         self._filler: Optional[BatchFiller] = None
         self._matchers: dict[str, GrammarMatcher] = {}
-        self.masks_built = 0            # rows, counted for the stats
 
     def compile(self, params: SamplingParams) -> Optional[CompiledGrammar]:
         """The request's compiled grammar (None without one); ValueError naming its field if it
@@ -63,13 +62,21 @@ class StructuredOutputs:
         self._matchers.pop(request_id, None)
 
     def bitmask(self, request_ids: Sequence[str]) -> Optional[GrammarBitmask]:
-        """The allowed-token bitmask of the rows whose request has a live grammar (None if none)."""
+        """The allowed-token bitmask of a step's rows: its grammar's for a request with a live one,
+        all tokens for the others; None if no row has a grammar."""
         rows = [(row, self._matchers[rid]) for row, rid in enumerate(request_ids)
                 if rid in self._matchers and not self._matchers[rid].is_terminated]
         if not rows:
             return None
-        bitmask = torch.empty((len(rows), bitmask_words(self._vocab_size)), dtype=torch.int32,
-                              pin_memory=self._pin_memory)
-        self._filler.fill([matcher for _, matcher in rows], bitmask)
-        self.masks_built += len(rows)
-        return GrammarBitmask([row for row, _ in rows], bitmask)
+        words = bitmask_words(self._vocab_size)
+        if len(rows) == len(request_ids):
+            bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=self._pin_memory)
+            self._filler.fill([matcher for _, matcher in rows], bitmask)
+            return GrammarBitmask(bitmask)
+        # Filled compact, then placed: xgrammar's batch fill with row indices made a batch-32 step
+        # of the H200 bench 51% slower than without a grammar, against 3% for this.
+        constrained = torch.empty((len(rows), words), dtype=torch.int32)
+        self._filler.fill([matcher for _, matcher in rows], constrained)
+        bitmask = torch.empty((len(request_ids), words), dtype=torch.int32, pin_memory=self._pin_memory).fill_(-1)
+        bitmask[[row for row, _ in rows]] = constrained
+        return GrammarBitmask(bitmask)

@@ -80,12 +80,9 @@ class BatchFiller:
 
     def fill(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         """bitmask[i] <- the tokens matchers[i] allows next."""
-        if self._batch is None:
+        if self._batch is None or len(matchers) == 1:
             for row, matcher in enumerate(matchers):
                 matcher.fill_bitmask(bitmask, row)
-            return
-        if len(matchers) == 1:
-            matchers[0].fill_bitmask(bitmask, 0)
             return
         self._batch.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask)
 
@@ -99,7 +96,6 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
-        self.vocab_size = vocab_size
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         """Raises ValueError starting with the request field the constraint came from."""

@@ -57,7 +57,7 @@ class StructuredOutputParams:
 
     @property
     def text(self) -> str:
-        """The constraint as one string: the compile cache's key, and what the size limit counts."""
+        """The constraint as one string: what the size limit counts."""
         value = getattr(self, self.kind)
         if isinstance(value, str):
             return value

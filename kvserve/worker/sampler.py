@@ -58,10 +58,11 @@ class SamplingRow:
 
 @dataclass
 class GrammarBitmask:
-    """The tokens each constrained row may take next (structured output, kvserve/structured): bit
-    t % 32 of word t // 32 of a row set means token t is allowed. Only rows with a grammar have one."""
-    row_ids: list[int]          # the rows of the batch these belong to
-    bitmask: torch.Tensor       # [len(row_ids), ceil(V / 32)] int32, on the host (pinned for CUDA)
+    """The tokens each row may take next (structured output, kvserve/structured): bit t % 32 of word
+    t // 32 of a row set means token t is allowed. Rows without a grammar are all ones, so the mask
+    covers the whole batch and needs no row index (a host index list copied to the device would wait
+    for the forward queued before it, which a launched-ahead step must not)."""
+    bitmask: torch.Tensor       # [rows, ceil(V / 32)] int32, on the host (pinned for CUDA)
 
 
 @dataclass
@@ -174,10 +175,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask) -> torc
         bits = _BIT_POSITIONS[device] = torch.arange(32, dtype=torch.int32, device=device)
     words = grammar.bitmask.to(device, non_blocking=True)
     allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)[:, :vocab_size]
-    if len(grammar.row_ids) == logits.shape[0] and grammar.row_ids == list(range(logits.shape[0])):
-        return logits.masked_fill(~allowed, float("-inf"))
-    index = _index_tensor(grammar.row_ids, device)
-    return logits.index_put((index,), logits[index].masked_fill(~allowed, float("-inf")))
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
@@ -316,7 +314,7 @@ class Sampler:
         logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = self._raw_logprobs(logits, logprob_rows)
         logits = apply_token_mask(logits, min_tokens_bans(rows, eos_token_ids))
-        if grammar is not None and grammar.row_ids:
+        if grammar is not None:
             logits = apply_grammar_bitmask(logits, grammar)
         token_ids = self._force(self._select_tokens(self._apply_penalties(logits, rows), rows), rows)
         if raw_logprobs is None:

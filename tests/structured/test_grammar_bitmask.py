@@ -1,5 +1,5 @@
 """The sampler's grammar mask: the packed bitmask (bit t % 32 of word t // 32) unpacked on the
-logits' device forbids exactly the tokens whose bit is clear, in the constrained rows only; and a
+logits' device forbids exactly the tokens whose bit is clear, and an all-ones row nothing; and a
 real xgrammar matcher's mask lets through exactly the tokens its grammar allows."""
 
 from __future__ import annotations
@@ -27,21 +27,24 @@ def test_only_the_allowed_tokens_of_the_constrained_rows_survive(device):
     generator = torch.Generator().manual_seed(0)
     vocab = 100                       # not a multiple of 32: the last word's high bits are past the vocab
     logits = torch.randn(4, vocab, generator=generator)
-    allowed = torch.rand(2, vocab, generator=generator) < 0.3
+    allowed = torch.rand(4, vocab, generator=generator) < 0.3
     allowed[:, 31] = True             # bit 31: the sign bit of an int32 word
-    masked = apply_grammar_bitmask(logits.to(device), GrammarBitmask([1, 3], _pack(allowed))).cpu()
+    allowed[[0, 2]] = True            # rows without a grammar: all ones
+    bitmask = _pack(allowed)
+    assert (bitmask[[0, 2], :3] == -1).all()
+    masked = apply_grammar_bitmask(logits.to(device), GrammarBitmask(bitmask)).cpu()
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
-    for constrained, row in ((0, 1), (1, 3)):
-        keep = allowed[constrained]
+    for row in (1, 3):
+        keep = allowed[row]
         assert torch.equal(masked[row][keep], logits[row][keep])
         assert torch.isneginf(masked[row][~keep]).all()
 
 
 def test_a_greedy_row_takes_its_best_allowed_token():
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.0, 2.0]])
-    allowed = torch.tensor([[False, False, True, True]])
+    allowed = torch.tensor([[False, False, True, True], [True, True, True, True]])
     rows = [SamplingRow(SamplingParams(temperature=0), [1], []) for _ in range(2)]
-    result = Sampler()(logits, rows, set(), GrammarBitmask([0], _pack(allowed)))
+    result = Sampler()(logits, rows, set(), GrammarBitmask(_pack(allowed)))
     assert result.token_ids == [2, 0]
 
 
@@ -57,7 +60,7 @@ def test_xgrammar_masks_follow_the_grammar():
     matcher = GrammarMatcher(compiler.compile(StructuredOutputParams(choice=["yes", "no"])))
     bitmask = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
     matcher.fill_bitmask(bitmask, 0)
-    logits = apply_grammar_bitmask(torch.zeros(1, vocab), GrammarBitmask([0], bitmask))
+    logits = apply_grammar_bitmask(torch.zeros(1, vocab), GrammarBitmask(bitmask))
     allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
     assert allowed and all("yes".startswith(text) or "no".startswith(text) for text in allowed), allowed
     assert {"yes", "no"} & allowed or {"y", "n"} & allowed
@@ -85,7 +88,7 @@ def test_length_bounded_strings_keep_control_characters_out():
     assert all(matcher.accept(t) for t in prefix)
     bitmask = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
     matcher.fill_bitmask(bitmask, 0)
-    allowed = torch.isfinite(apply_grammar_bitmask(torch.zeros(1, vocab), GrammarBitmask([0], bitmask))[0])
+    allowed = torch.isfinite(apply_grammar_bitmask(torch.zeros(1, vocab), GrammarBitmask(bitmask))[0])
     control = [t for t in range(vocab) if any(ord(c) < 32 for c in tokenizer.decode([t]))]
     assert control and not allowed[control].any()
     quote = tokenizer.encode('"', add_special_tokens=False)
