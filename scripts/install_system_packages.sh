@@ -1,25 +1,35 @@
 #!/usr/bin/env bash
-# System packages the tests need beyond the venv: redis-server (tests/redis_fixture.py starts a real
-# one for the remote KV tier's tests). Idempotent: does nothing when it is already installed.
+# System packages the tests need beyond the venv, each started by the tests themselves on a loopback
+# port: redis-server (the remote KV tier, tests/redis_fixture.py), prometheus and promtool (a real
+# scrape of /metrics and the alert rules in deploy/), chromium (the live KV map, driven by Playwright
+# with that executable). Idempotent: installs only what is missing.
 set -euo pipefail
 
-if command -v redis-server >/dev/null 2>&1; then
-    exit 0
-fi
+# command on PATH -> Debian package that provides it
+declare -A PACKAGE_OF=([redis-server]=redis-server [prometheus]=prometheus [promtool]=prometheus [chromium]=chromium)
+missing=()
+for command in "${!PACKAGE_OF[@]}"; do
+    command -v "$command" >/dev/null 2>&1 || missing+=("${PACKAGE_OF[$command]}")
+done
+[ "${#missing[@]}" -eq 0 ] && exit 0
+packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
 
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing redis-server (apt-get)"
+    echo "installing $packages(apt-get)"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
-    command -v redis-server >/dev/null 2>&1 || { echo "redis-server still not on PATH after apt-get install" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages
+    for command in "${!PACKAGE_OF[@]}"; do
+        command -v "$command" >/dev/null 2>&1 || { echo "$command still not on PATH after apt-get install" >&2; exit 1; }
+    done
     exit 0
 fi
 
 if [ "$(id -u)" -ne 0 ]; then
-    echo "redis-server is not installed, and installing it needs root: run 'sudo apt-get install redis-server'" \
-         "(Debian/Ubuntu) or put a redis-server on PATH, then run this again" >&2
+    echo "missing system packages: $packages- installing them needs root: run 'sudo apt-get install $packages'" \
+         "(Debian/Ubuntu) or put them on PATH, then run this again" >&2
 else
-    echo "redis-server is not installed and apt-get is not available: install redis-server with this system's" \
-         "package manager and put it on PATH" >&2
+    echo "missing system packages: $packages- apt-get is not available: install them with this system's" \
+         "package manager and put them on PATH" >&2
 fi
 exit 1
