@@ -240,6 +240,35 @@ class PressStats:
 
 
 @dataclass(frozen=True)
+class ConfigEvent:
+    """A change of the engine's configuration at run time: an operator's (the admin config API,
+    server/admin_config.py) or the engine's own (the adaptive eviction policy switching arms, a
+    retuning loop). The dashboard and the log show them; /metrics counts them by field."""
+    time: float                  # time.time() (wall clock: the page shows it to people)
+    source: str                  # "admin" (the config API), "adaptive" (the eviction policy), "auto" (retuning)
+    field: str                   # the option that changed, by its flag's field name (e.g. "eviction_policy")
+    old: str                     # its value before, as text
+    new: str                     # and after
+
+
+@dataclass(frozen=True)
+class BandwidthStats:
+    """What engine steps read from memory against what the memory can deliver (obs/bandwidth.py):
+    weights (by dtype) plus the KV the attention read (by format), over each step's time."""
+    peak_bytes_per_s: float      # the machine's copy bandwidth, measured once at start
+    peak_source: str             # how it was measured (e.g. "cuda copy 1 GiB", "cpu copy 256 MiB")
+    steps: int                   # steps measured since start
+    bytes_read_total: int        # weights + KV bytes those steps read
+    weight_bytes_per_step: int   # the weights one forward reads (every layer's, the active experts' for MoE)
+    last_bytes_read: int         # the latest step's bytes
+    last_step_s: float           # and its time
+    last_utilization: float      # last_bytes_read / last_step_s / peak_bytes_per_s
+    # (upper bound, steps in that bucket alone) of per-step utilization since start
+    utilization_buckets: tuple[tuple[float, int], ...] = ()
+    utilization_sum: float = 0.0  # summed per-step utilization (the histogram's _sum)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     scheduler: SchedulerStats
     kv_cache: KVCacheStats
@@ -252,3 +281,5 @@ class EngineStats:
     decode_kv_bytes_total: int = 0                    # KV bytes decode attention read (engine.EngineCounters)
     tenant_usage: dict[Optional[str], TenantUsage] = field(default_factory=dict)   # per tenant seen since start
     fair_share: Optional[dict[Optional[str], TenantShareStats]] = None   # None: not the fair policy
+    bandwidth: Optional[BandwidthStats] = None        # None: before the first measured step
+    config_events: tuple[ConfigEvent, ...] = ()       # the latest run-time config changes, oldest first (bounded)

@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional, Protocol
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.stats import (ClassLatencyStats, ColdStoreStats, EngineStats, ExpertLoadStats, HostTierStats,
-                           PrefixCacheStats, PressStats, StepCoefficients, TenantShareStats, TenantUsage,
-                           TransferStats)
+from kvserve.stats import (BandwidthStats, ClassLatencyStats, ColdStoreStats, ConfigEvent, EngineStats,
+                           ExpertLoadStats, HostTierStats, PrefixCacheStats, PressStats, StepCoefficients,
+                           TenantShareStats, TenantUsage, TransferStats)
 
 
 class EngineShutdownError(RuntimeError):
@@ -71,6 +71,8 @@ class EngineSnapshot:
     # another policy). /metrics and the operator's /v1/usage read these.
     tenant_usage: dict[Optional[str], TenantUsage] = field(default_factory=dict)
     fair_share: Optional[dict[Optional[str], TenantShareStats]] = None
+    bandwidth: Optional[BandwidthStats] = None        # memory bandwidth per step (None: no step measured yet)
+    config_events: tuple[ConfigEvent, ...] = ()       # run-time config changes, oldest first (bounded)
 
     @property
     def num_used_blocks(self) -> int:
@@ -102,7 +104,8 @@ class EngineSnapshot:
                    presses=stats.presses, decode_kv_bytes_total=stats.decode_kv_bytes_total,
                    kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), qos_classes=tuple(sched.classes),
                    kv_quotas=dict(sched.kv_quotas),
-                   tenant_usage=dict(stats.tenant_usage), fair_share=stats.fair_share, **latency)
+                   tenant_usage=dict(stats.tenant_usage), fair_share=stats.fair_share,
+                   bandwidth=stats.bandwidth, config_events=stats.config_events, **latency)
 
 
 @dataclass
