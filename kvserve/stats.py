@@ -252,6 +252,16 @@ class ConfigEvent:
 
 
 @dataclass(frozen=True)
+class RuntimeConfigStats:
+    """The settings the admin config API may change (engine/runtime_config.py), as they are now, and
+    how often each changed since start (config_events keeps only the latest changes)."""
+    # Numeric settings by field ("qos_classes.<class>.<target>" for a class's targets); unset ones absent.
+    values: dict[str, float] = field(default_factory=dict)
+    choices: dict[str, str] = field(default_factory=dict)    # named settings (eviction_policy, kv_press, ...)
+    changes: dict[str, dict[str, int]] = field(default_factory=dict)   # field -> source -> changes since start
+
+
+@dataclass(frozen=True)
 class BandwidthStats:
     """What engine steps read from memory against what the memory can deliver (obs/bandwidth.py):
     weights (by dtype) plus the KV the attention read (by format), over each step's time."""
@@ -262,10 +272,11 @@ class BandwidthStats:
     weight_bytes_per_step: int   # the weights one forward reads (every layer's, the active experts' for MoE)
     last_bytes_read: int         # the latest step's bytes
     last_step_s: float           # and its time
-    last_utilization: float      # last_bytes_read / last_step_s / peak_bytes_per_s
+    last_utilization: float      # over the steps of the last second: their bytes / their time / peak_bytes_per_s
     # (upper bound, steps in that bucket alone) of per-step utilization since start
     utilization_buckets: tuple[tuple[float, int], ...] = ()
     utilization_sum: float = 0.0  # summed per-step utilization (the histogram's _sum)
+    seconds_total: float = 0.0   # the measured steps' summed time (bytes_read_total over it: the mean rate)
 
 
 @dataclass(frozen=True)
@@ -283,3 +294,128 @@ class EngineStats:
     fair_share: Optional[dict[Optional[str], TenantShareStats]] = None   # None: not the fair policy
     bandwidth: Optional[BandwidthStats] = None        # None: before the first measured step
     config_events: tuple[ConfigEvent, ...] = ()       # the latest run-time config changes, oldest first (bounded)
+    runtime_config: Optional[RuntimeConfigStats] = None   # None: an engine without run-time reconfiguration
+
+
+# --- the KV map (Engine.make_kv_map; the dashboard draws it: server/dashboard.py) ------------------
+# What a block of a tier can be doing; KVMapTier.states holds indices into this tuple.
+KV_BLOCK_STATES = (
+    "free",        # empty: no request holds it and it keeps no KV worth finding
+    "running",     # held by a running request, private to it (not in the prefix cache)
+    "shared",      # held by running requests and in the prefix cache (others may hit it)
+    "loading",     # held by a request whose KV is being copied into it from a tier
+    "cached",      # no request holds it; the prefix cache keeps it until its policy evicts it
+    "pinned",      # in the prefix cache under an active pin (evicted after every unpinned block)
+    "held",        # host tier: held outside the index for a swapped-out or tiered request
+    "offline",     # host tier: above the size memory pressure holds it to (memory given back)
+)
+
+
+@dataclass(frozen=True)
+class KVMapTier:
+    """One tier's blocks as a grid of at most `max_cells` cells: with more blocks than that, each
+    cell stands for `blocks_per_cell` consecutive blocks (its majority state, a request and tenant
+    of a block in that state, the hottest block's heat), so the payload is bounded whatever the
+    pool's size."""
+    name: str                    # "gpu" or "host"
+    num_blocks: int              # blocks of the tier (the host's configured size)
+    blocks_per_cell: int         # consecutive blocks each cell stands for (1: a cell a block)
+    states: tuple[int, ...]      # per cell: index into KV_BLOCK_STATES
+    requests: tuple[int, ...]    # per cell: index into KVMapSnapshot.requests of a holder (-1: none, or not listed)
+    tenants: tuple[int, ...]     # per cell: index into KVMapSnapshot.tenants (-1: no block with a tenant)
+    heat: tuple[int, ...]        # per cell: 0-100, recent uses u as 100 u / (u + 1) (the page's heat colours)
+    state_counts: tuple[int, ...]   # exact blocks per state of KV_BLOCK_STATES (cells round)
+    kv_format: str               # the format its blocks are stored in (KVCacheSpec.describe())
+
+
+@dataclass(frozen=True)
+class KVMapRequest:
+    """A request in the engine and the KV it holds (Scheduler.make_request_map)."""
+    request_id: str
+    state: str                   # "running", "loading" (KV coming from a tier), "waiting", "swapped", "prefetching"
+    tenant: Optional[str]
+    qos_class: Optional[str]
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_kv_tokens: int           # tokens its KV holds now (computed less those a press removed)
+    num_cached_tokens: int       # prompt tokens served from a cache at admission (0: none, or not admitted)
+    gpu_blocks: int              # GPU blocks in its table, shared ones included
+    host_blocks: int             # host blocks held for it (swapped out, or tiered KV)
+    arrival_time: float          # time.monotonic() (KVMapSnapshot.monotonic_time gives the age)
+
+
+@dataclass(frozen=True)
+class PrefixTreeNode:
+    """A run of cached blocks of a prefix tree in which no block branches (a segment)."""
+    parent: int                  # index of the parent segment in PrefixTree.nodes (-1: the tree's root)
+    depth: int                   # chain index of its first block
+    num_blocks: int
+    hits: int                    # uses of its first block (every use of the segment uses it)
+    pinned_blocks: int
+    held_blocks: int             # of its blocks, those running requests hold now
+    last_use: Optional[float]    # the prefix cache's clock (time.monotonic()) at its newest use (None: never)
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    """Cached blocks that continue one another (PrefixCache.make_prefix_trees): a system prompt
+    and the conversations on it. A root is a block whose parent is not cached."""
+    tenant: Optional[str]        # the namespace's tenant or share group (None: requests without a tenant)
+    num_blocks: int
+    max_depth: int               # chain index of its deepest block
+    num_branches: int            # blocks continued by more than one cached block
+    hits: int                    # uses of its root block
+    pinned_blocks: int
+    held_blocks: int
+    nodes: tuple[PrefixTreeNode, ...]   # its segments, parents first, the largest subtrees when bounded
+    num_nodes: int               # segments it has (more than `nodes` when bounded)
+
+
+@dataclass(frozen=True)
+class KVMapPin:
+    """An active pin (PrefixCache.pin)."""
+    pin_id: int
+    tenant: Optional[str]
+    num_blocks: int
+    num_cached_blocks: int       # of those, cached on the GPU now
+    expires_in_s: float
+
+
+@dataclass(frozen=True)
+class KVMapSnapshot:
+    """What the KV cache holds, block by block and bounded (Engine.make_kv_map), made on the engine
+    thread between steps when a reader asks. The gauges (hit rates, evictions, loads) travel in
+    EngineSnapshot; this is the per-block picture they summarise."""
+    time: float                  # time.time() when made (the page shows it)
+    monotonic_time: float        # time.monotonic() then: ages of KVMapRequest / PrefixTreeNode times
+    block_size: int              # tokens per block
+    kv_bytes_per_block: int      # bytes a block takes in its format (footprints in bytes)
+    eviction_policy: str         # the prefix cache's ranking in force ("off": no prefix caching)
+    tiers: tuple[KVMapTier, ...]             # "gpu" first, then "host" when there is one
+    tenants: tuple[Optional[str], ...]       # what KVMapTier.tenants index (None: no tenant)
+    requests: tuple[KVMapRequest, ...]       # what KVMapTier.requests index: running and loading, then waiting
+    num_requests: int                        # requests in the engine (more than listed when bounded)
+    prefix_trees: tuple[PrefixTree, ...]     # the largest, by blocks
+    num_prefix_trees: int
+    pins: tuple[KVMapPin, ...] = ()
+
+    def as_dict(self) -> dict:
+        """Plain JSON-ready data (what the engine clients return and the dashboard's events carry)."""
+        return {"time": self.time, "monotonic_time": self.monotonic_time, "block_size": self.block_size,
+                "kv_bytes_per_block": self.kv_bytes_per_block, "eviction_policy": self.eviction_policy,
+                "block_states": list(KV_BLOCK_STATES),
+                "tiers": [{"name": t.name, "num_blocks": t.num_blocks, "blocks_per_cell": t.blocks_per_cell,
+                           "states": list(t.states), "requests": list(t.requests), "tenants": list(t.tenants),
+                           "heat": list(t.heat), "state_counts": dict(zip(KV_BLOCK_STATES, t.state_counts)),
+                           "kv_format": t.kv_format} for t in self.tiers],
+                "tenants": list(self.tenants),
+                "requests": [_fields(r) for r in self.requests], "num_requests": self.num_requests,
+                "prefix_trees": [{**_fields(t, skip="nodes"), "nodes": [_fields(n) for n in t.nodes]}
+                                 for t in self.prefix_trees],
+                "num_prefix_trees": self.num_prefix_trees, "pins": [_fields(p) for p in self.pins]}
+
+
+def _fields(obj, skip: str = "") -> dict:
+    """A flat dataclass's fields as a dict (dataclasses.asdict copies deeply, which these need not)."""
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__ if name != skip}

@@ -42,6 +42,7 @@ from kvserve.model.builder import build_model, kernel_switches, resolve_device, 
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.worker.bandwidth import BandwidthMeter, measure_copy_bandwidth, weight_profile
 from kvserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, KVSizing, size_kv_cache, spec_from_config
 from kvserve.worker.memory_profile import (HOST_TIER_SEGMENTS, available_host_memory, cuda_kv_budget,
                                            default_host_tier_bytes)
@@ -143,6 +144,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, num_blocks, block_size, self.eos_token_ids,
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)
+        # Bytes each step reads against the measured copy bandwidth (docs/observability.md#bandwidth).
+        self.bandwidth = BandwidthMeter(weight_profile(self.model), self.kv_bytes_per_token,
+                                        *measure_copy_bandwidth(str(self.device)))
         self.preemption_cost: Optional[PreemptionCost] = None
         self.host_pressure: Optional[PressureMonitor] = None
         self.host_sizer: Optional[HostTierSizer] = None
@@ -519,9 +523,14 @@ class Engine:
             return outputs + self._run_step(sched_out, press_due)
         finally:
             if sched_out is not None and sched_out.scheduled:
-                self.stats.decode_kv_bytes_total += self.kv_bytes_per_token * sum(
-                    item.request.num_kv_tokens for item in sched_out.scheduled if item.num_new_tokens == 1)
+                decode_kv_tokens = kv_tokens = 0
+                for item in sched_out.scheduled:
+                    kv_tokens += item.request.num_kv_tokens
+                    if item.num_new_tokens == 1:
+                        decode_kv_tokens += item.request.num_kv_tokens
+                self.stats.decode_kv_bytes_total += self.kv_bytes_per_token * decode_kv_tokens
                 elapsed = time.monotonic() - started
+                self.bandwidth.observe(self.bandwidth.step_bytes(sched_out.num_batched_tokens, kv_tokens), elapsed)
                 if self.scheduler.slo is not None:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
                 if self.preemption_cost is not None:
@@ -755,7 +764,8 @@ class Engine:
                            prefix_cache=prefix_stats, expert_load=self._expert_load_stats(),
                            presses=self.press.make_stats(), decode_kv_bytes_total=counters.decode_kv_bytes_total,
                            tenant_usage=dict(counters.tenant_usage),
-                           fair_share=fair.make_stats() if fair is not None else None)
+                           fair_share=fair.make_stats() if fair is not None else None,
+                           bandwidth=self.bandwidth.make_stats())
 
     # The expert load make_stats last read, and when (monotonic seconds): see _expert_load_stats.
     _expert_load_read: Optional[ExpertLoadStats] = None

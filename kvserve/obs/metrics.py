@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.engine.client import EngineSnapshot, FinishedRequest
-from kvserve.stats import ExpertLoadStats, TenantUsage, tenant_sort_key
+from kvserve.stats import BandwidthStats, ExpertLoadStats, TenantUsage, tenant_sort_key
 
 if TYPE_CHECKING:
     from kvserve.sched.slo import SLOTargets
@@ -122,6 +122,14 @@ PRESS_METRIC_NAMES = (
     f"{NAMESPACE}:kv_press_tokens_demoted_total",
     f"{NAMESPACE}:kv_press_tokens_recalled_total",
 )
+# Present once the engine has run a step (docs/observability.md#bandwidth).
+BANDWIDTH_METRIC_NAMES = (
+    f"{NAMESPACE}:hbm_bandwidth_utilization",
+    f"{NAMESPACE}:memory_bandwidth_peak_bytes_per_second",
+    f"{NAMESPACE}:hbm_bandwidth_utilization_per_step",
+    f"{NAMESPACE}:step_bytes_read_total",
+    f"{NAMESPACE}:step_seconds_total",
+)
 # Present only for MoE models (DeepSeek-V2/V3; docs/deepseek.md).
 MOE_METRIC_NAMES = (
     f"{NAMESPACE}:moe_expert_tokens_total",
@@ -201,6 +209,38 @@ def _tenant_usage_metrics(usage: dict[Optional[str], TenantUsage], label_of: "Te
         cached.add_metric(values + [label], totals.cached_prompt_tokens)
         generation.add_metric(values + [label], totals.generation_tokens)
     yield from (requests, prompt, cached, generation)
+
+
+def _bandwidth_metrics(bw: BandwidthStats, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """Memory bandwidth per step (kvserve/worker/bandwidth.py): weights + KV read over the step's time,
+    as a fraction of the copy bandwidth measured at start."""
+    gauge = GaugeMetricFamily(f"{NAMESPACE}:hbm_bandwidth_utilization", "Bytes the engine's steps of the last "
+                              "second read (weights + KV) over their time, as a fraction of the measured copy "
+                              "bandwidth (memory_bandwidth_peak_bytes_per_second).", labels=labels)
+    gauge.add_metric(values, bw.last_utilization)
+    yield gauge
+    peak = GaugeMetricFamily(f"{NAMESPACE}:memory_bandwidth_peak_bytes_per_second", "Copy bandwidth of the engine's "
+                             "device (read + write), measured once at start.", labels=labels + ["how"])
+    peak.add_metric(values + [bw.peak_source], bw.peak_bytes_per_s)
+    yield peak
+    histogram = HistogramMetricFamily(f"{NAMESPACE}:hbm_bandwidth_utilization_per_step", "Each engine step's bytes "
+                                      "read over its time, as a fraction of the measured copy bandwidth.",
+                                      labels=labels)
+    cumulative, buckets = 0, []
+    for bound, count in bw.utilization_buckets:
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    histogram.add_metric(values, buckets, sum_value=bw.utilization_sum)
+    yield histogram
+    read = CounterMetricFamily(f"{NAMESPACE}:step_bytes_read", "Bytes the engine's steps read: the weights each "
+                               "forward reads (by their stored dtype; a MoE layer's routed experts) plus the KV "
+                               "its attention read (in the cache's format).", labels=labels)
+    read.add_metric(values, bw.bytes_read_total)
+    yield read
+    seconds = CounterMetricFamily(f"{NAMESPACE}:step_seconds", "The measured steps' summed time "
+                                  "(step_bytes_read over it: the mean read rate).", labels=labels)
+    seconds.add_metric(values, bw.seconds_total)
+    yield seconds
 
 
 def _press_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
@@ -391,6 +431,8 @@ class _EngineStateCollector:
             yield from _cold_tier_metrics(snap, labels, values)
         if snap.presses:
             yield from _press_metrics(snap, labels, values)
+        if snap.bandwidth is not None:
+            yield from _bandwidth_metrics(snap.bandwidth, labels, values)
         yield counter("prompt_tokens", "Prompt tokens admitted (times n samples).", snap.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", snap.generation_tokens_total)
         yield counter("decode_kv_bytes", "KV bytes decode attention read: each decoding request's KV length (shorter "
@@ -506,8 +548,10 @@ class ServerMetrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
                  slo: Optional["SLOTargets"] = None,
                  expert_load: Optional[Callable[[], Optional[ExpertLoadStats]]] = None,
-                 multiprocess_dir: Optional[str] = None) -> None:
+                 multiprocess_dir: Optional[str] = None, vllm_aliases: bool = False) -> None:
         self.model_name = model_name
+        # --vllm-metric-aliases: render also repeats the series vLLM names the same (obs/vllm_aliases.py).
+        self.vllm_aliases = vllm_aliases
         self.slo = slo if slo is not None and slo.enabled else None
         self.registry = CollectorRegistry(auto_describe=True)
         # One label map for every per-tenant series, so that a tenant past the cap is "other" in all.
@@ -602,4 +646,7 @@ class ServerMetrics:
         self._http_errors.labels(self.model_name, str(status_code)).inc()
 
     def render(self) -> bytes:
+        if self.vllm_aliases:
+            from kvserve.obs.vllm_aliases import VLLMAliasedRegistry
+            return generate_latest(VLLMAliasedRegistry(self.registry))
         return generate_latest(self.registry)
