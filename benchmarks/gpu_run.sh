@@ -3,7 +3,7 @@
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
 #   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [hostloadpair] [overload] [multiturn] [coldtiers] [press] [presstier]
-#   [structured]
+#   [structured] [bandwidth]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -44,6 +44,11 @@ if [[ $what == *" gputests "* ]]; then   # the CUDA-only kernel tests and the mo
     tests/kernels/test_kv_quant_triton.py tests/kernels/test_deepseek_kernels.py tests/models/test_model_vs_transformers.py tests/engine/test_engine.py \
     ${PYTEST_EXTRA:-} 2>&1 | tail -400 > "$OUT/gpu_tests.log"
   tail -25 "$OUT/gpu_tests.log"
+fi
+if [[ $what == *" bandwidth "* ]]; then   # bytes per step against the measured copy bandwidth (issue 30)
+  timeout 420 python3 -m kvserve.cli bench --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
+    --dtype bfloat16 --kv-cache-memory 40GiB --batch-sizes ${BANDWIDTH_BATCHES:-1,32,128} --input-len 512 \
+    --output-len 128 --json "$OUT/h200_qwen7b_bandwidth.json" 2>&1 | tail -14 | tee "$OUT/gpu_bandwidth.log"
 fi
 if [[ $what == *" profile "* ]]; then
   for batch in ${PROFILE_BATCHES:-1}; do

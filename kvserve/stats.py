@@ -303,7 +303,7 @@ KV_BLOCK_STATES = (
     "free",        # empty: no request holds it and it keeps no KV worth finding
     "running",     # held by a running request, private to it (not in the prefix cache)
     "shared",      # held by running requests and in the prefix cache (others may hit it)
-    "loading",     # held by a request whose KV is being copied into it from a tier
+    "loading",     # held by a request that waits for its KV to be copied in from a tier (not its prefix hits)
     "cached",      # no request holds it; the prefix cache keeps it until its policy evicts it
     "pinned",      # in the prefix cache under an active pin (evicted after every unpinned block)
     "held",        # host tier: held outside the index for a swapped-out or tiered request
@@ -314,15 +314,15 @@ KV_BLOCK_STATES = (
 @dataclass(frozen=True)
 class KVMapTier:
     """One tier's blocks as a grid of at most `max_cells` cells: with more blocks than that, each
-    cell stands for `blocks_per_cell` consecutive blocks (its majority state, a request and tenant
-    of a block in that state, the hottest block's heat), so the payload is bounded whatever the
-    pool's size."""
+    cell stands for `blocks_per_cell` consecutive blocks (its majority state, the request and tenant
+    of the first block in that state, the hottest block's heat; on the host, the heat of that
+    first block), so the payload is bounded whatever the pool's size."""
     name: str                    # "gpu" or "host"
     num_blocks: int              # blocks of the tier (the host's configured size)
     blocks_per_cell: int         # consecutive blocks each cell stands for (1: a cell a block)
     states: tuple[int, ...]      # per cell: index into KV_BLOCK_STATES
     requests: tuple[int, ...]    # per cell: index into KVMapSnapshot.requests of a holder (-1: none, or not listed)
-    tenants: tuple[int, ...]     # per cell: index into KVMapSnapshot.tenants (-1: no block with a tenant)
+    tenants: tuple[int, ...]     # per cell: index into KVMapSnapshot.tenants (-1: a free cell, or none known)
     heat: tuple[int, ...]        # per cell: 0-100, recent uses u as 100 u / (u + 1) (the page's heat colours)
     state_counts: tuple[int, ...]   # exact blocks per state of KV_BLOCK_STATES (cells round)
     kv_format: str               # the format its blocks are stored in (KVCacheSpec.describe())
@@ -396,9 +396,11 @@ class KVMapSnapshot:
     tenants: tuple[Optional[str], ...]       # what KVMapTier.tenants index (None: no tenant)
     requests: tuple[KVMapRequest, ...]       # what KVMapTier.requests index: running and loading, then waiting
     num_requests: int                        # requests in the engine (more than listed when bounded)
-    prefix_trees: tuple[PrefixTree, ...]     # the largest, by blocks
+    # The largest, by blocks (None: not made this time; a reader that polls asks for them less often).
+    prefix_trees: Optional[tuple[PrefixTree, ...]]
     num_prefix_trees: int
     pins: tuple[KVMapPin, ...] = ()
+    build_seconds: float = 0.0   # what making it took the engine thread: readers pace their polling by it
 
     def as_dict(self) -> dict:
         """Plain JSON-ready data (what the engine clients return and the dashboard's events carry)."""
@@ -411,9 +413,10 @@ class KVMapSnapshot:
                            "kv_format": t.kv_format} for t in self.tiers],
                 "tenants": list(self.tenants),
                 "requests": [_fields(r) for r in self.requests], "num_requests": self.num_requests,
-                "prefix_trees": [{**_fields(t, skip="nodes"), "nodes": [_fields(n) for n in t.nodes]}
-                                 for t in self.prefix_trees],
-                "num_prefix_trees": self.num_prefix_trees, "pins": [_fields(p) for p in self.pins]}
+                "prefix_trees": None if self.prefix_trees is None else [
+                    {**_fields(t, skip="nodes"), "nodes": [_fields(n) for n in t.nodes]} for t in self.prefix_trees],
+                "num_prefix_trees": self.num_prefix_trees, "pins": [_fields(p) for p in self.pins],
+                "build_seconds": self.build_seconds}
 
 
 def _fields(obj, skip: str = "") -> dict:

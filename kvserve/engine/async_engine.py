@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 from kvserve.engine.client import (EngineShutdownError, EngineSnapshot, EngineStepError, FinishedRequest,
                                    RequestStream, ServedModel)
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.runtime_config import reconfigure_reply
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.slo import EngineLoad, PendingWork, RequestOverloaded, SLOController
 from kvserve.stats import EngineStats
@@ -50,6 +51,7 @@ class _Record:
     tenant: Optional[str]
     priority: int
     last_output: Optional[RequestOutput] = None
+    trace: bool = False                 # record its phases (the server's tracer)
 
 
 class ArrivalGate:
@@ -177,7 +179,8 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
                           stream: Optional[RequestStream] = None, tenant: Optional[str] = None,
-                          priority: int = 0, arrival_time: Optional[float] = None) -> RequestStream:
+                          priority: int = 0, arrival_time: Optional[float] = None,
+                          trace: bool = False) -> RequestStream:
         """Queues a request on the engine thread; raises what `Engine.add_request` raises
         (RequestRejected / ValueError / RequestOverloaded) or EngineShutdownError. `arrival_time`
         (time.monotonic()) is when the server received it; default now. Returns the stream its
@@ -190,7 +193,7 @@ class AsyncEngine:
             if work is not None:
                 self.arrival_gate.admit(request_id, work, time.monotonic() - arrival_time)
         stream = stream or self.open_stream()
-        record = _Record(request_id, stream, arrival_time, tenant, priority)
+        record = _Record(request_id, stream, arrival_time, tenant, priority, trace=trace)
         done: concurrent.futures.Future = concurrent.futures.Future()
         stream._pending.add(request_id)
         self._submit(("add", record, prompt, params, done))
@@ -238,6 +241,19 @@ class AsyncEngine:
 
     async def list_pins(self, tenant: Optional[str]) -> list[dict[str, Any]]:
         return await self.call(lambda engine: [pin.as_dict() for pin in engine.prefix.pins(tenant)])
+
+    async def kv_map(self, **bounds: int) -> dict[str, Any]:
+        return await self.call(lambda engine: engine.make_kv_map(**bounds).as_dict())
+
+    async def runtime_config(self) -> dict[str, Any]:
+        return await self.call(lambda engine: engine.runtime_config())
+
+    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        def apply(engine: Any) -> dict[str, Any]:
+            reply = reconfigure_reply(engine, changes)
+            self._publish_snapshot()    # /metrics and the page see the change before the caller's answer
+            return reply
+        return await self.call(apply)
 
     def _submit(self, command: tuple) -> None:
         with self._cond:
@@ -290,7 +306,7 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(record.request_id, prompt, params, arrival_time=record.arrival_time,
-                                        priority=record.priority)
+                                        priority=record.priority, trace=record.trace)
             except Exception as exc:
                 done.set_exception(exc)
                 return

@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Protocol
 from kvserve.engine.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.stats import (BandwidthStats, ClassLatencyStats, ColdStoreStats, ConfigEvent, EngineStats,
-                           ExpertLoadStats, HostTierStats, PrefixCacheStats, PressStats, StepCoefficients,
-                           TenantShareStats, TenantUsage, TransferStats)
+                           ExpertLoadStats, HostTierStats, PrefixCacheStats, PressStats, RuntimeConfigStats,
+                           StepCoefficients, TenantShareStats, TenantUsage, TransferStats)
 
 
 class EngineShutdownError(RuntimeError):
@@ -54,6 +54,10 @@ class EngineSnapshot:
     # of the next step they give: what the shedding predictions and the step length rest on.
     slo_step_cost: Optional[StepCoefficients] = None
     slo_step_token_budget: Optional[int] = None
+    # The targets themselves, as the scheduler holds them now (the admin config API may change them):
+    # what /metrics judges finished requests by.
+    slo_ttft_target_s: Optional[float] = None
+    slo_tpot_target_s: Optional[float] = None
     # The prefix cache's and the MoE expert load's stats as the engine made them (None: not there).
     prefix_cache: Optional[PrefixCacheStats] = None
     expert_load: Optional[ExpertLoadStats] = None
@@ -73,6 +77,7 @@ class EngineSnapshot:
     fair_share: Optional[dict[Optional[str], TenantShareStats]] = None
     bandwidth: Optional[BandwidthStats] = None        # memory bandwidth per step (None: no step measured yet)
     config_events: tuple[ConfigEvent, ...] = ()       # run-time config changes, oldest first (bounded)
+    runtime_config: Optional[RuntimeConfigStats] = None   # the reconfigurable settings now, changes per field
 
     @property
     def num_used_blocks(self) -> int:
@@ -90,7 +95,8 @@ class EngineSnapshot:
             latency = dict(slo_max_running=lt.max_running, slo_step_time_s=lt.step_time_s,
                            slo_rejected_at_arrival=lt.rejected_at_arrival + rejected_by_gate,
                            slo_rejected_in_queue=lt.rejected_in_queue, slo_step_cost=lt.step_cost,
-                           slo_step_token_budget=lt.step_token_budget)
+                           slo_step_token_budget=lt.step_token_budget, slo_ttft_target_s=lt.ttft_target_s,
+                           slo_tpot_target_s=lt.tpot_target_s)
         # Loading requests (KV on its way from a tier) wait to run too.
         return cls(num_running=sched.num_running, num_waiting=sched.num_waiting + sched.num_loading,
                    num_blocks=kv.num_blocks,
@@ -105,7 +111,8 @@ class EngineSnapshot:
                    kv_blocks_by_tenant=dict(sched.kv_blocks_by_tenant), qos_classes=tuple(sched.classes),
                    kv_quotas=dict(sched.kv_quotas),
                    tenant_usage=dict(stats.tenant_usage), fair_share=stats.fair_share,
-                   bandwidth=stats.bandwidth, config_events=stats.config_events, **latency)
+                   bandwidth=stats.bandwidth, config_events=stats.config_events,
+                   runtime_config=stats.runtime_config, **latency)
 
 
 @dataclass
@@ -124,6 +131,13 @@ class FinishedRequest:
     priority: int = 0
 
 
+class StreamTrace(Protocol):
+    """What a stream's trace needs to hear (kvserve/obs/tracing.py): the stream is over, with
+    these finished outputs (a request aborted before it finished is missing)."""
+
+    def end(self, final_outputs: dict[str, RequestOutput]) -> None: ...
+
+
 class RequestStream:
     """Async iterator over the outputs of one or more requests (e.g. a multi-prompt completion).
 
@@ -139,6 +153,9 @@ class RequestStream:
         self._ready: dict[str, RequestOutput] = {}
         self._pending: set[str] = set()
         self._finished: set[str] = set()
+        # Each request's finished output, as it came: what a request trace is built from.
+        self.final_outputs: dict[str, RequestOutput] = {}
+        self.trace: Optional["StreamTrace"] = None      # the server's trace of this stream (None: not traced)
 
     @property
     def finished(self) -> bool:
@@ -166,6 +183,7 @@ class RequestStream:
         if output.finished:
             self._pending.discard(request_id)
             self._finished.add(request_id)
+            self.final_outputs[request_id] = output
         return output
 
     def abort(self) -> None:
@@ -217,7 +235,8 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
                           stream: Optional[RequestStream] = None, tenant: Optional[str] = None,
-                          priority: int = 0, arrival_time: Optional[float] = None) -> RequestStream: ...
+                          priority: int = 0, arrival_time: Optional[float] = None,
+                          trace: bool = False) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -227,3 +246,16 @@ class EngineClient(Protocol):
     async def unpin_prefix(self, pin_id: int, tenant: Optional[str]) -> bool: ...
 
     async def list_pins(self, tenant: Optional[str]) -> list[dict[str, Any]]: ...
+
+    async def kv_map(self, **bounds: int) -> dict[str, Any]:
+        """Engine.make_kv_map(**bounds) as KVMapSnapshot.as_dict() (kvserve/stats.py): the KV cache
+        block by block, made between steps (the dashboard's grid)."""
+        ...
+
+    async def runtime_config(self) -> dict[str, Any]:
+        """Every setting the admin config API may change, as the engine uses it now
+        (Engine.runtime_config; kvserve/engine/runtime_config.py)."""
+
+    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Applies `changes` between steps, all or none: {"changed": {field: {"old", "new"}}, "config":
+        every setting after}; ValueError naming the field for a change the engine refuses."""

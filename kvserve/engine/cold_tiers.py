@@ -35,6 +35,7 @@ import xxhash
 
 from kvserve.kvcache.host_tier import HostBlock, HostTier
 from kvserve.kvcache.prefix_cache import chain_hashes, namespace_root
+from kvserve.sched import phases
 from kvserve.kvstore.cold_block import BlockIdentity
 from kvserve.kvstore.cold_tier import ColdRead, ColdTiers
 from kvserve.kvstore.disk_store import DiskStore
@@ -174,6 +175,8 @@ class ColdTierBridge:
     def _install(self, read: ColdRead) -> None:
         if read.payloads:
             host_ids, payloads = [], []
+            request = self.scheduler.requests.get(read.request_id)
+            recorder = request.phases if request is not None else None
             for identity, payload, source in zip(read.identities, read.payloads, read.sources):
                 host_id = self.host_tier.store(identity.block_hash, identity.parent_hash, identity.token_ids,
                                                identity.namespace, from_below=True)
@@ -182,6 +185,8 @@ class ColdTierBridge:
                 host_ids.append(host_id)
                 payloads.append(payload)
                 self.hit_tokens[source] = self.hit_tokens.get(source, 0) + self.block_size
+                if recorder is not None:
+                    recorder.annotate(phases.KV_PREFETCH, **{f"{source}_blocks": 1, f"{source}_bytes": len(payload)})
             if host_ids:
                 # A host block just taken may be the target of a copy still in flight.
                 self.transfers.synchronize()

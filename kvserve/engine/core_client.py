@@ -69,6 +69,7 @@ class RequestState:
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
         self.times: tuple = (arrival_time, None, None, None, 0)
         self.num_cached_tokens: Optional[int] = None
+        self.phases: Optional[list] = None              # a traced request's, with its last delta
         self.last_output: Optional[RequestOutput] = None
 
     @property
@@ -80,6 +81,8 @@ class RequestState:
         self.times = delta.times
         if delta.num_cached_tokens is not None:
             self.num_cached_tokens = delta.num_cached_tokens
+        if delta.phases is not None:
+            self.phases = delta.phases
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         stops = []
@@ -120,7 +123,8 @@ class RequestState:
         metrics = RequestMetrics(arrival, scheduled, first_token, finished_time, preemptions)
         prompt_logprobs = self.prompt_logprobs if self.params.prompt_logprobs is not None else None
         self.last_output = RequestOutput(self.request_id, None, self.prompt_token_ids, prompt_logprobs, completions,
-                                         self.finished, metrics, self.num_cached_tokens)
+                                         self.finished, metrics, self.num_cached_tokens,
+                                         self.phases if self.finished else None)
         return self.last_output
 
 
@@ -214,7 +218,8 @@ class CoreClient:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
                           stream: Optional[RequestStream] = None, tenant: Optional[str] = None,
-                          priority: int = 0, arrival_time: Optional[float] = None) -> RequestStream:
+                          priority: int = 0, arrival_time: Optional[float] = None,
+                          trace: bool = False) -> RequestStream:
         """As AsyncEngine.add_request; the prompt is a dict with prompt_token_ids (this side
         tokenizes) and the prefix-cache options (tenant, cache_salt, pin_ttl, pin_prefix_tokens)."""
         self._check_alive()
@@ -227,7 +232,7 @@ class CoreClient:
         try:
             payload = self._encode(msg.AddRequest(request_id, ids, params, arrival_time, prompt.get("tenant"),
                                                   prompt.get("cache_salt"), prompt.get("pin_ttl"),
-                                                  prompt.get("pin_prefix_tokens"), priority))
+                                                  prompt.get("pin_prefix_tokens"), priority, trace))
         except OverflowError:
             raise RequestRejected("an integer in the request is out of range (64 bits)") from None
         stream = stream or self.open_stream()
@@ -269,6 +274,15 @@ class CoreClient:
 
     async def list_pins(self, tenant: Optional[str]) -> list[dict[str, Any]]:
         return await self._utility("list_pins", tenant=tenant)
+
+    async def kv_map(self, **bounds: int) -> dict[str, Any]:
+        return await self._utility("kv_map", **bounds)
+
+    async def runtime_config(self) -> dict[str, Any]:
+        return await self._utility("runtime_config")
+
+    async def reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        return await self._utility("reconfigure", changes=changes)
 
     async def _utility(self, method: str, **args: Any) -> Any:
         self._check_alive()

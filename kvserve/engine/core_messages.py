@@ -35,6 +35,7 @@ class AddRequest(msgspec.Struct, tag=True):
     pin_ttl: Optional[float] = None
     pin_prefix_tokens: Optional[int] = None
     priority: int = 0
+    trace: bool = False                      # record its phases: they come back with its last delta
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -86,6 +87,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error_kind: Optional[str] = None
     error: str = ""
     num_cached_tokens: Optional[int] = None     # RequestOutput.num_cached_tokens, once admitted
+    # A traced request's phases (RequestOutput.phases: name, start, end or None, attributes), once,
+    # with its last delta.
+    phases: Optional[list[tuple[str, float, Optional[float], dict[str, Union[str, int, float, bool]]]]] = None
 
 
 class Step(msgspec.Struct, tag=True):

@@ -32,6 +32,7 @@ from kvserve.engine import core_messages as msg
 from kvserve.engine.async_engine import served_model_of
 from kvserve.engine.client import EngineSnapshot
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.runtime_config import reconfigure_reply
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.sched.slo import RequestOverloaded
 
@@ -93,7 +94,8 @@ class EngineCore:
         self._changed = True
         self._was_draining = False
         self._utilities: dict[str, Callable[..., Any]] = {
-            "pin_prefix": self._pin_prefix, "unpin_prefix": self._unpin_prefix, "list_pins": self._list_pins}
+            "pin_prefix": self._pin_prefix, "unpin_prefix": self._unpin_prefix, "list_pins": self._list_pins,
+            "runtime_config": self._runtime_config, "reconfigure": self._reconfigure, "kv_map": self._kv_map}
 
     # --- the loop -------------------------------------------------------------------------------
     def request_stop(self, drain_timeout: float) -> None:
@@ -198,7 +200,7 @@ class EngineCore:
                 prompt[key] = value
         try:
             self.engine.add_request(add.request_id, prompt, add.params, arrival_time=add.arrival_time,
-                                    priority=add.priority)
+                                    priority=add.priority, trace=add.trace)
         except RequestOverloaded as exc:
             self._send(frontend, msg.AddResult(add.request_id, "overloaded", str(exc)))
             return
@@ -294,7 +296,7 @@ class EngineCore:
         times = ((m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions)
                  if m is not None else (0.0, None, None, None, 0))
         return msg.RequestDelta(output.request_id, samples, output.finished, times, prompt_logprobs,
-                                num_cached_tokens=output.num_cached_tokens)
+                                num_cached_tokens=output.num_cached_tokens, phases=output.phases)
 
     # --- utilities (pins) -----------------------------------------------------------------------
     def _utility(self, frontend: _FrontEnd, call: msg.Utility) -> None:
@@ -323,6 +325,18 @@ class EngineCore:
 
     def _list_pins(self, tenant: Optional[str]) -> list[dict[str, Any]]:
         return [pin.as_dict() for pin in self.engine.prefix.pins(tenant)]
+
+    def _kv_map(self, **bounds: int) -> dict[str, Any]:
+        return self.engine.make_kv_map(**bounds).as_dict()
+
+    # --- utilities (run-time config: the admin config API) ---------------------------------------
+    def _runtime_config(self) -> dict[str, Any]:
+        return self.engine.runtime_config()
+
+    def _reconfigure(self, changes: dict[str, Any]) -> dict[str, Any]:
+        reply = reconfigure_reply(self.engine, changes)
+        self._send_snapshot()       # /metrics and the page see the change before the caller's answer
+        return reply
 
     # --- the gauges -----------------------------------------------------------------------------
     def _make_snapshot(self) -> EngineSnapshot:

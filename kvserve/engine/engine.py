@@ -19,9 +19,13 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.cold_tiers import ColdTierBridge, build_cold_tiers, model_fingerprint
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.kv_map import make_kv_map
 from kvserve.engine.press_control import PressControl
+from kvserve.engine.runtime_config import AUTO, HOST_FIELD, ConfigChange, RuntimeConfig
 from kvserve.engine.structured_output import StructuredOutputs
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.sched import phases
+from kvserve.sched.phases import RequestPhases
 from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
@@ -30,7 +34,7 @@ from kvserve.sched.qos_config import QoSClassForbidden
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.structured.grammar import GrammarUnavailable
-from kvserve.stats import EngineStats, ExpertLoadStats, TenantUsage
+from kvserve.stats import EngineStats, KVMapSnapshot, ExpertLoadStats, TenantUsage
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.memory_pressure import HostTierSizer, PressureMonitor
 from kvserve.kvcache.manager import KVCacheManager
@@ -180,7 +184,7 @@ class Engine:
                                   "gqa" if isinstance(self.model, LlamaForCausalLM) else type(self.model).__name__,
                                   host_tier=host_tier is not None)
         if self.scheduler.slo is not None:
-            self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
+            self.calibrate_step_cost()
         self.stats = EngineCounters()
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
@@ -196,6 +200,9 @@ class Engine:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s), max_model_len %d",
                     num_blocks, block_size, capacity, self.kv_spec.describe(), max_model_len)
         self.reset_expert_load()      # the profiling step is not load
+        # Settings the admin config API may change between steps, and the log of changes.
+        self.initial_max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.runtime = RuntimeConfig(self)
 
     # --- MoE expert load (tokens per expert per layer; kvserve/model/moe.py) ----------------------
     def expert_load(self):
@@ -321,7 +328,7 @@ class Engine:
                     params: Optional[SamplingParams] = None, *, tenant: Optional[str] = None,
                     cache_salt: Optional[str] = None, pin_ttl: Optional[float] = None,
                     pin_prefix_tokens: Optional[int] = None, arrival_time: Optional[float] = None,
-                    priority: int = 0, forced_token_ids: Optional[list[int]] = None) -> str:
+                    priority: int = 0, forced_token_ids: Optional[list[int]] = None, trace: bool = False) -> str:
         """Queues a request (n samples); raises RequestRejected if it can never run, RequestOverloaded
         if latency targets shed it. tenant / cache_salt choose the prefix-cache namespace; pin_ttl pins
         the prompt's first pin_prefix_tokens (default all) for that many seconds (see CacheOptions).
@@ -332,7 +339,8 @@ class Engine:
         is held to its targets; RequestForbidden for a class its tenant may not use.
         forced_token_ids (internal, for evaluation: kvserve/eval/forced_decoding.py; no API field):
         teacher forcing, each output token is the given one and its logprob under the model is
-        recorded; one sample, max_tokens equal to their number."""
+        recorded; one sample, max_tokens equal to their number. trace: record its phases
+        (RequestOutput.phases; the server's --otlp-traces-endpoint), for the first sample."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestRejected(f"priority must be an integer, got {priority!r}")
@@ -388,6 +396,15 @@ class Engine:
                 child.publish_limit = 0          # until its press says which blocks it left intact
                 child.press_stop = child.num_prompt_tokens
             children.append(child)
+        if trace:
+            first = children[0]
+            first.phases = recorder = RequestPhases()
+            # What the trace's request span says of it, as the engine resolved it.
+            recorder.event(phases.REQUEST, first.arrival_time, kv_format=self.kv_spec.describe(),
+                           tenant=first.tenant or "", qos_class=qos_class or "",
+                           kv_press=first.press.press.name if first.press is not None else "",
+                           samples=params.n, priority=priority)
+            recorder.begin(phases.QUEUED, first.arrival_time, prompt_tokens=len(prompt_ids))
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens, params.stop,
                                          params.include_stop_str_in_output)
                   if self.tokenizer is not None and self.detokenize else None
@@ -469,7 +486,7 @@ class Engine:
         tokens into outputs and schedules the next step while the GPU computes. The outputs a step
         returns can therefore be the previous step's."""
         outputs: list[RequestOutput] = []
-        started = time.monotonic()
+        started = scheduled_at = time.monotonic()
         sched_out: Optional[SchedulerOutput] = None
         try:
             self._collect_transfers()
@@ -481,6 +498,7 @@ class Engine:
                 # Preemption recomputes from the token list, which must hold no pending token.
                 outputs += self._finish_inflight()
             sched_out = self.scheduler.schedule()
+            scheduled_at = time.monotonic()
             if sched_out.rejected:
                 outputs += self._reject(sched_out.rejected)
             if sched_out.is_empty:
@@ -524,17 +542,43 @@ class Engine:
         finally:
             if sched_out is not None and sched_out.scheduled:
                 decode_kv_tokens = kv_tokens = 0
+                traced = False
                 for item in sched_out.scheduled:
                     kv_tokens += item.request.num_kv_tokens
                     if item.num_new_tokens == 1:
                         decode_kv_tokens += item.request.num_kv_tokens
+                    traced = traced or item.request.phases is not None
                 self.stats.decode_kv_bytes_total += self.kv_bytes_per_token * decode_kv_tokens
                 elapsed = time.monotonic() - started
-                self.bandwidth.observe(self.bandwidth.step_bytes(sched_out.num_batched_tokens, kv_tokens), elapsed)
+                utilization = self.bandwidth.observe(
+                    self.bandwidth.step_bytes(sched_out.num_batched_tokens, kv_tokens), elapsed)
+                if traced:
+                    self._record_step_phases(sched_out, scheduled_at, started + elapsed, utilization)
                 if self.scheduler.slo is not None:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
                 if self.preemption_cost is not None:
                     self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed)
+
+    def _record_step_phases(self, sched_out: SchedulerOutput, started: float, ended: float,
+                            utilization: float) -> None:
+        """A traced request's share of this step: a prefill chunk (its tokens, where they start), or
+        one decode step (sampled: RequestPhases.step)."""
+        batch = dict(batch_size=len(sched_out.scheduled), batch_tokens=sched_out.num_batched_tokens,
+                     step_s=round(ended - started, 6), bandwidth_utilization=round(utilization, 4))
+        # started: when the step's batch was scheduled (the request was admitted by then).
+        for item in sched_out.scheduled:
+            recorder = item.request.phases
+            if recorder is None:
+                continue
+            first = item.request.num_computed_tokens - item.num_new_tokens
+            if item.num_new_tokens > 1 or first < item.request.num_prompt_tokens:
+                recorder.add(phases.PREFILL_CHUNK, started, ended, tokens=item.num_new_tokens, first_position=first,
+                             recompute=item.request.num_preemptions > 0, **batch)
+                if item.request.num_computed_tokens >= item.request.num_prompt_tokens \
+                        and not recorder.is_open(phases.DECODE):
+                    recorder.begin(phases.DECODE, ended)       # its first token is sampled by this chunk
+            else:
+                recorder.step(ended, **batch)
 
     def _build_cold_tiers(self, host_tier: Optional[HostTier]) -> Optional[ColdTierBridge]:
         """The disk and remote KV tiers (--kv-disk-path, --kv-remote-url), staged through the host tier."""
@@ -596,13 +640,39 @@ class Engine:
         target = self.host_sizer.decide(tier.capacity, self.host_pressure.sample(), now)
         if target == tier.capacity:
             return
-        before, segment = tier.capacity, self.host_store.flat.segment_blocks
-        if target > before:
+        before = tier.capacity
+        if self.set_host_tier_blocks(target) != before:
+            # A run-time change of the tier's size, the engine's own: logged and counted as one.
+            block_bytes = self.kv_bytes_per_token * self.config.cache_config.block_size
+            self.runtime.events.record(AUTO, HOST_FIELD, before * block_bytes, tier.capacity * block_bytes,
+                                       why=f"{before} -> {tier.capacity} host blocks: {self.host_sizer.last_reason}")
+
+    def set_host_tier_blocks(self, target: int) -> int:
+        """Resizes the host tier to `target` blocks (whole segments; blocks a swap or this step's loads
+        hold are kept): memory pressure's sizer and the admin config API. Returns the new size."""
+        tier, segment = self.kv_manager.host_tier, self.host_store.flat.segment_blocks
+        if target > tier.capacity:
             tier.set_capacity(self.host_store.resize_flat(target), segment)
         else:
             self.runner.transfers.synchronize()     # no copy in flight touches a segment about to go
             self.host_store.resize_flat(tier.set_capacity(target, segment))
-        logger.info("host KV tier: %d -> %d blocks (%s)", before, tier.capacity, self.host_sizer.last_reason)
+        return tier.capacity
+
+    # --- run-time reconfiguration (engine/runtime_config.py; the admin config API) ---------------
+    def runtime_config(self) -> dict[str, Any]:
+        """The current value of every setting `reconfigure` may change."""
+        return self.runtime.current()
+
+    def reconfigure(self, changes: dict[str, Any]) -> list[ConfigChange]:
+        """Changes settings between steps, all or none: every change is checked as its flag is (a
+        ValueError naming the field, nothing applied), then applied, logged and recorded as a config
+        event. Returns the changes that took effect, with their old and new values."""
+        return self.runtime.reconfigure(changes)
+
+    def calibrate_step_cost(self) -> None:
+        """Primes the latency controller's step-cost model with forwards timed now (at start, or when
+        a first latency target is set at run time)."""
+        self.scheduler.slo.step_cost.calibrate(self._time_step_shapes())
 
     def _collect_transfers(self, wait: bool = False) -> None:
         """Hands the worker's report on tier copies to the scheduler and the KV manager."""
@@ -729,9 +799,21 @@ class Engine:
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time,
                                  max((c.finished_time or 0.0) for c in group.children) or None,
                                  sum(c.num_preemptions for c in group.children))
+        finished = all(c.is_finished for c in group.children)
+        records = None
+        if finished and first.phases is not None:
+            records = self._phase_records(first)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, prompt_logprobs,
-                             completions, all(c.is_finished for c in group.children), metrics,
-                             first.num_cached_tokens)
+                             completions, finished, metrics, first.num_cached_tokens, records)
+
+    def _phase_records(self, request: Request) -> list:
+        """Its phases, closed at its finish, once; a KV load's blocks also in bytes (its format's)."""
+        recorder, request.phases = request.phases, None
+        block_bytes = self.kv_bytes_per_token * self.config.cache_config.block_size
+        records = recorder.finish(request.finished_time or time.monotonic())
+        return [(name, start, end, {**attrs, "bytes": attrs["blocks"] * block_bytes})
+                if name == phases.KV_LOAD else (name, start, end, attrs)
+                for name, start, end, attrs in records]
 
     # --- prefix cache -----------------------------------------------------------------------------
     def pin_prefix(self, prompt: PromptInput, ttl_s: float, *, tenant: Optional[str] = None,
@@ -765,7 +847,14 @@ class Engine:
                            presses=self.press.make_stats(), decode_kv_bytes_total=counters.decode_kv_bytes_total,
                            tenant_usage=dict(counters.tenant_usage),
                            fair_share=fair.make_stats() if fair is not None else None,
-                           bandwidth=self.bandwidth.make_stats())
+                           bandwidth=self.bandwidth.make_stats(), config_events=self.runtime.events.events(),
+                           runtime_config=self.runtime.make_stats())
+
+    def make_kv_map(self, **bounds: int) -> KVMapSnapshot:
+        """The KV cache block by block, bounded (engine/kv_map.py; max_cells, max_requests,
+        max_trees, max_tree_nodes): what the dashboard draws. Engine thread, between steps."""
+        return make_kv_map(self.kv_manager, self.scheduler, self.kv_spec.describe(), self.kv_bytes_per_token,
+                           self.config.cache_config.heat_half_life_s, **bounds)
 
     # The expert load make_stats last read, and when (monotonic seconds): see _expert_load_stats.
     _expert_load_read: Optional[ExpertLoadStats] = None

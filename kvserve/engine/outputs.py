@@ -41,3 +41,7 @@ class RequestOutput:
     # Prompt tokens whose KV came from the prefix cache or a KV tier (vLLM's name; the first
     # sample's, which the others share): OpenAI's usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: Optional[int] = None
+    # A traced request's phases (queued, KV loads, prefill chunks, decode and its sampled steps,
+    # preemptions; kvserve/sched/phases.py), once, in its finished output; the server's tracer
+    # turns them into spans. None: not traced.
+    phases: Optional[list] = None

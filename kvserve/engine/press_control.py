@@ -91,11 +91,22 @@ class PressControl:
                                  "feedback), which a press cannot compact; use --kv-quant-key-layout channel or "
                                  "--kv-quant-window 0")
         self._counts: dict[str, _Counts] = {}
-        if self.default_press not in (None, NO_PRESS):
-            self._check(self.default_press, "--kv-press")
-            if self.default_ratio is None and self.default_tokens is None:
+        self.check_defaults(self.default_press, self.default_ratio, self.default_tokens, self.default_mode)
+
+    def check_defaults(self, press: Optional[str], ratio: Optional[float], tokens: Optional[int], mode: str) -> None:
+        """The server's press defaults (--kv-press, --kv-keep-ratio / --kv-keep-tokens, --kv-press-mode)
+        can run here: at start, and before the admin config API changes them."""
+        if press not in (None, NO_PRESS):
+            self._check(press, "--kv-press")
+            if ratio is None and tokens is None:
                 raise ValueError("--kv-press needs --kv-keep-ratio or --kv-keep-tokens (how much it keeps)")
-        self._check_mode(self.default_mode, "--kv-press-mode")
+        self._check_mode(mode, "--kv-press-mode")
+
+    def set_defaults(self, press: Optional[str], ratio: Optional[float], tokens: Optional[int], mode: str) -> None:
+        """New press defaults (the admin config API), for requests admitted from now on: a running
+        request keeps the plan it was admitted with."""
+        self.check_defaults(press, ratio, tokens, mode)
+        self.default_press, self.default_ratio, self.default_tokens, self.default_mode = press, ratio, tokens, mode
 
     def _check_mode(self, mode: str, field: str) -> str:
         if mode not in PRESS_MODES:

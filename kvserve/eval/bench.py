@@ -58,15 +58,19 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
         if engine.device.type == "cpu":
             calibration.append(_cpu_fma_gflops())
         ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+        last = repeat == repeats - 1
         with Stopwatch(engine.device) as watch:
             pending = set(ids)
             steps = 0
+            decode_mark = None
             while pending:
                 for out in engine.step():
                     if out.finished:
                         pending.discard(out.request_id)
                 steps += 1
                 peak_usage = max(peak_usage, engine.kv_manager.usage)
+                if last and decode_mark is None and _prompts_computed(engine):
+                    decode_mark = _DecodeMark.take(engine, steps)
         times.append(watch.seconds)
     seconds = median(times)
     extra = {"peak_kv_usage": round(peak_usage, 4), "steps": steps,
@@ -79,6 +83,11 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
         # not always alike, so each thread's rate too.
         extra["cpu_fma_gflops_before_runs"] = [round(sum(c), 1) if c else None for c in calibration]
         extra["cpu_fma_gflops_by_thread_before_runs"] = calibration
+    if decode_mark is not None:
+        extra["bandwidth"] = decode_mark.report(engine, steps, batch_size, input_len, output_len, watch)
+        print(f"  bandwidth (batch {batch_size}, decode steps): engine {extra['bandwidth']['engine_utilization']:.3f}"
+              f" of {extra['bandwidth']['peak_bytes_per_s'] / 1e9:.0f} GB/s, the workload's roofline "
+              f"{extra['bandwidth']['roofline_utilization']:.3f}", flush=True)
     kv_stats = engine.make_stats().kv_cache
     if kv_stats.host is not None:      # the host KV tier (--kv-host-memory): its totals since the engine started
         extra["kv_host"] = asdict(kv_stats.host)
@@ -97,6 +106,70 @@ def bench_kvserve(engine, batch_size: int, input_len: int, output_len: int, repe
               flush=True)
     return BenchPoint("kvserve", batch_size, input_len, output_len, seconds,
                       batch_size * output_len / seconds, batch_size * (input_len + output_len) / seconds, extra)
+
+
+def _prompts_computed(engine) -> bool:
+    scheduler = engine.scheduler
+    return not scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+
+
+def analytic_weight_bytes(hf_config, dtype: torch.dtype) -> Optional[int]:
+    """The bytes a Llama / Qwen2-shaped forward reads of its weights, from the config alone (the
+    roofline's count, independent of the engine's own): attention and MLP projections, norms,
+    Qwen2's q/k/v biases and the LM head; the input embedding reads only its tokens' rows. None
+    for other shapes (MoE, MLA)."""
+    if getattr(hf_config, "model_type", "") not in ("llama", "qwen2"):
+        return None
+    hidden, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
+    q = hf_config.num_attention_heads * head_dim
+    kv = hf_config.num_key_value_heads * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    if hf_config.model_type == "qwen2":
+        per_layer += q + 2 * kv
+    elements = layers * per_layer + hidden + hf_config.vocab_size * hidden
+    return elements * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class _DecodeMark:
+    """Where a bench run's decode phase begins (every prompt computed): the clock and the
+    engine's bandwidth totals, so its decode steps can be set against the workload's roofline."""
+    started: float
+    steps: int
+    bytes_read: int
+    seconds: float
+
+    @classmethod
+    def take(cls, engine, steps: int) -> "_DecodeMark":
+        from kvserve.eval.timing import now, synchronize
+        synchronize(engine.device)
+        meter = engine.bandwidth
+        return cls(now(), steps, meter.bytes_read_total, meter.seconds_total)
+
+    def report(self, engine, steps: int, batch_size: int, input_len: int, output_len: int, watch) -> dict:
+        """The decode steps' bytes over their time against the measured peak, as the engine counted
+        them (its per-step accounting) and as the workload's arithmetic gives them: batch_size
+        requests in lockstep, decode step j reading the weights and input_len + j tokens' KV each."""
+        meter = engine.bandwidth
+        seconds = watch.started + watch.seconds - self.started
+        engine_bytes, engine_seconds = meter.bytes_read_total - self.bytes_read, meter.seconds_total - self.seconds
+        decode_steps = output_len - 1
+        weights = analytic_weight_bytes(engine.source.hf_config, engine.dtype)
+        report = {"peak_bytes_per_s": meter.peak_bytes_per_s, "peak_source": meter.peak_source,
+                  "decode_steps": steps - self.steps, "decode_seconds": round(seconds, 6),
+                  "engine_bytes": engine_bytes, "engine_step_seconds": round(engine_seconds, 6),
+                  "engine_utilization": round(engine_bytes / max(engine_seconds, 1e-9) / meter.peak_bytes_per_s, 4),
+                  "weight_bytes_per_step_engine": meter.weights.bytes_for_tokens(batch_size),
+                  "weight_bytes_per_step_roofline": weights}
+        if weights is not None and decode_steps > 0:
+            kv_tokens = batch_size * sum(input_len + j for j in range(1, output_len))
+            roofline_bytes = decode_steps * weights + engine.kv_bytes_per_token * kv_tokens
+            report.update(roofline_bytes=roofline_bytes, roofline_utilization=round(
+                roofline_bytes / max(seconds, 1e-9) / meter.peak_bytes_per_s, 4))
+        else:
+            report.update(roofline_bytes=None, roofline_utilization=float("nan"))
+        return report
 
 
 def load_transformers_model(source, dtype: torch.dtype, device: torch.device, load_format: str):

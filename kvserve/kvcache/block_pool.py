@@ -82,6 +82,11 @@ class BlockPool:
     def owner_of(self, block_id: int) -> Optional[str]:
         return self._owner[block_id]
 
+    def copy_owners(self) -> tuple[list[int], list[Optional[str]]]:
+        """Copies of every block's reference count and owning tenant, in block order: what the KV
+        map reads (one C-level copy each, where a call per block would cost a pool-sized loop)."""
+        return list(self._ref_counts), list(self._owner)
+
     def _disown(self, blocks: Iterable[int], evictable: bool) -> None:
         owners = self._owner
         for block_id in blocks:

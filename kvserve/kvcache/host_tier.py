@@ -15,6 +15,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
+import numpy as np
+
+from kvserve.kvcache.kv_map import CACHED, FREE, HELD, OFFLINE
 from kvserve.stats import HostTierStats
 
 
@@ -227,6 +230,23 @@ class HostTier:
         tiered request ended): free once this step's copies are handed on (a copy of this step may
         still write or read them)."""
         self._release_after_step.extend(host_ids)
+
+    # --- the KV map (kvcache/kv_map.py) -------------------------------------------------------------
+    def block_states(self) -> np.ndarray:
+        """Each host block's KV-map state: free, cached, offline (above the size memory pressure
+        holds the tier to), or else held (for a swapped-out or tiered request, or released this step)."""
+        states = np.full(self.num_blocks, HELD, dtype=np.int64)
+        states[self.capacity:] = OFFLINE
+        if self._free:
+            states[np.array(self._free, dtype=np.int64)] = FREE
+        if self._hash_of:
+            states[np.fromiter(self._hash_of.keys(), dtype=np.int64, count=len(self._hash_of))] = CACHED
+        return states
+
+    def cached_at(self, host_id: int) -> Optional[HostBlock]:
+        """The cached block host block `host_id` holds (None: it holds none)."""
+        block_hash = self._hash_of.get(host_id)
+        return self._by_hash[block_hash] if block_hash is not None else None
 
     def make_stats(self) -> HostTierStats:
         return HostTierStats(self.capacity, self.num_used_blocks, self.hit_tokens, self.blocks_written,

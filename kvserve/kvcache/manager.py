@@ -29,14 +29,18 @@ request keeps running; once it has landed (`take_recalls`) the engine places it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.prefix_cache import (CachedBlock, HashedSequence, Pin, PrefixCache, chain_hashes,
                                           hash_block, namespace_root)
 from kvserve.kvstore import DEVICE_STORE, HOST_STORE, LOAD, SWAP_IN, SWAP_OUT, WRITE_BACK, BlockCopy
-from kvserve.stats import KVCacheStats
+from kvserve.kvcache.kv_map import (CACHED, FREE, LOADING, PINNED, RUNNING, SHARED, fold_cells, heat_scores,
+                                    make_tier, namespace_tenant)
+from kvserve.stats import KVCacheStats, KVMapRequest, KVMapTier
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -335,6 +339,64 @@ class KVCacheManager:
     def make_stats(self) -> KVCacheStats:
         host = self.host_tier.make_stats() if self.host_tier is not None else None
         return KVCacheStats(self.num_blocks, self.num_free_blocks, float(self.usage), self.capacity_tokens, host)
+
+    # --- the KV map (kvcache/kv_map.py; Engine.make_kv_map) -----------------------------------------
+    def host_blocks_of(self, request_id: str) -> int:
+        """Host blocks held for the request: its swapped-out table, or its tiered (demoted) KV."""
+        swapped = self._swapped.get(request_id)
+        return (len(swapped[0]) if swapped is not None else 0) + len(self._tier_host_ids.get(request_id, ()))
+
+    def make_block_maps(self, listed: Sequence[KVMapRequest], tenant_index: Callable[[Optional[str]], int],
+                        max_cells: int, kv_format: str, half_life_s: float) -> tuple[KVMapTier, ...]:
+        """The GPU pool's blocks and the host tier's as KV-map tiers of at most `max_cells` cells
+        (kvcache/kv_map.py). A GPU block's heat is its recent uses (PrefixCache.block_uses, halving
+        every `half_life_s`) plus the requests holding it now; its tenant is the pool's owner. A cell
+        names the first of the `listed` requests whose table (or held host blocks) has the block it
+        shows. Host cells score the block they show by the GPU cache's history of it (the tier keeps
+        none of its own) and name its namespace's tenant."""
+        position = {request.request_id: index for index, request in enumerate(listed)}
+        refs_list, owners = self.pool.copy_owners()
+        refs = np.array(refs_list, dtype=np.int64)
+        states = np.where(refs > 0, RUNNING, FREE)
+        recent = refs.astype(np.float64)
+        cache = self.prefix_cache
+        now = cache.clock() if cache is not None else 0.0
+        if cache is not None:
+            ids, uses, pinned = cache.block_uses(now, half_life_s)
+            states[ids] = np.where(refs[ids] > 0, SHARED, CACHED)
+            recent[ids] += uses
+            states[np.array(pinned, dtype=np.int64)] = PINNED
+        holder: dict[int, int] = {}
+        for request_id, table in self._block_tables.items():
+            if request_id not in position:
+                holder.update(dict.fromkeys(table, -1))
+        for request in reversed(listed):            # a shared block names the first listed holder
+            holder.update(dict.fromkeys(self._block_tables.get(request.request_id, ()), position[request.request_id]))
+        loading = [block_id for request_id in self._loading for block_id in self._block_tables.get(request_id, ())]
+        if loading:
+            loading_ids = np.array(loading, dtype=np.int64)
+            # The blocks it waits to have filled (and the rest of its table); its prefix hits stay shared.
+            states[loading_ids] = np.where(states[loading_ids] == RUNNING, LOADING, states[loading_ids])
+        gpu = make_tier("gpu", len(refs), fold_cells(states, heat_scores(recent), max_cells), kv_format,
+                        lambda block_id: (holder.get(block_id, -1), tenant_index(owners[block_id])))
+        if self.host_tier is None:
+            return (gpu,)
+        host_holders: dict[int, tuple[int, int]] = {}
+        for index, request in enumerate(listed):
+            swapped = self._swapped.get(request.request_id)
+            held = list(swapped[0]) if swapped is not None else []
+            held += self._tier_host_ids.get(request.request_id, ())
+            for host_id in held:
+                host_holders.setdefault(host_id, (index, tenant_index(request.tenant)))
+        host_states = self.host_tier.block_states()
+        folded = fold_cells(host_states, np.zeros(len(host_states), dtype=np.int64), max_cells)
+        shown = [self.host_tier.cached_at(host_id) for host_id in folded.shown.tolist()]
+        folded.heat = heat_scores([cache.uses_of(block.block_hash, now, half_life_s) if block is not None else 0.0
+                                   for block in shown])
+        tenant_of = {host_id: tenant_index(namespace_tenant(block.namespace))
+                     for host_id, block in zip(folded.shown.tolist(), shown) if block is not None}
+        return gpu, make_tier("host", len(host_states), folded, kv_format,
+                              lambda host_id: host_holders.get(host_id, (-1, tenant_of.get(host_id, -1))))
 
     def find_cached_prefix(self, seq: HashedSequence) -> PrefixHit:
         """Longest cached prefix of the sequence's tokens, in whole blocks, leaving at least the

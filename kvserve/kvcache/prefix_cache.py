@@ -28,11 +28,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
+import numpy as np
 import xxhash
 
 from kvserve.kvcache.policies import (AccessStats, AdaptivePolicy, EvictionPolicy, Evictor,
                                       make_policy, note_continuation)
-from kvserve.stats import PrefixCacheStats
+from kvserve.kvcache.kv_map import namespace_tenant
+from kvserve.stats import KVMapPin, PrefixCacheStats, PrefixTree, PrefixTreeNode
 
 _ROOT_DOMAIN = b"kvserve.prefix.v1\0"
 
@@ -146,8 +148,11 @@ class PrefixCache:
         # are forgotten, while their KV is still intact (the host tier's write-back:
         # kvcache/manager.py). One call per allocation, because a long prefix evicts thousands.
         self.on_evict: Optional[Callable[[list[CachedBlock]], None]] = None
+        # Told when the adaptive policy changes arm (old label, new label): the engine records it
+        # as a config event (engine/runtime_config.py).
+        self.on_policy_switch: Optional[Callable[[str, str], None]] = None
         if isinstance(policy, AdaptivePolicy):
-            policy.on_switch = self._rekey
+            policy.on_switch = self._arm_switched
 
     # --- sizes --------------------------------------------------------------------------------------
     @property
@@ -288,6 +293,23 @@ class PrefixCache:
         if block_hashes:
             self.policy.observe_release(block_hashes, first_depth, self.clock() if now is None else now)
 
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Ranks by `policy` from now on (a run-time change of --eviction-policy): the evictable
+        blocks are re-keyed under it at once, keeping their access histories. Fan-out is tracked
+        from now on if it needs it, so a fanout ranking starts without the branches seen before."""
+        if isinstance(self.policy, AdaptivePolicy):
+            self.policy.on_switch = None
+        self.policy = policy
+        self._track_fanout = policy.tracks_fanout
+        if isinstance(policy, AdaptivePolicy):
+            policy.on_switch = self._arm_switched
+        self._rekey()
+
+    def _arm_switched(self, old: str, new: str) -> None:
+        self._rekey()
+        if self.on_policy_switch is not None:
+            self.on_policy_switch(old, new)
+
     def _rekey(self) -> None:
         entries = []
         for block_id in self._evictor.keys():
@@ -367,6 +389,114 @@ class PrefixCache:
                                 self.num_hit_tokens, self.num_cached_blocks, self.num_evictable, pinned,
                                 len(self._pins), dict(self.evictions), adaptive)
 
+    # --- the KV map (kvcache/kv_map.py) -------------------------------------------------------------
+    def block_uses(self, now: float, half_life_s: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """(cached block ids, their recent uses, the pinned ones among them): a block's recent uses
+        are those its history keeps (the last MAX_HISTORY) decayed by the time since the newest,
+        halving every `half_life_s`, one power per block where decaying each use apart would cost
+        up to eight."""
+        self._expire_pins()
+        by_block, by_hash = self._by_block, self._by_hash
+        values = list(by_block.values())
+        ids = np.fromiter(by_block.keys(), dtype=np.int64, count=len(values))
+        histories = [cached.stats.times for cached in values]
+        counts = np.fromiter(map(len, histories), dtype=np.float64, count=len(values))
+        newest = np.array([times[-1] if times else now for times in histories], dtype=np.float64)
+        uses = counts * np.exp2((newest - now) / max(half_life_s, 1e-9))
+        pinned = [by_hash[block_hash].block_id for block_hash in self._pin_counts if block_hash in by_hash]
+        return ids, uses, pinned
+
+    def uses_of(self, block_hash: bytes, now: float, half_life_s: float) -> float:
+        """`block_uses`' figure for a block by hash, cached or evicted (the access histories kept
+        of evicted blocks): what a host-tier copy of it is worth."""
+        cached = self._by_hash.get(block_hash)
+        stats = cached.stats if cached is not None else self._history.get(block_hash)
+        if stats is None or not stats.times:
+            return 0.0
+        return len(stats.times) * 0.5 ** ((now - stats.times[-1]) / max(half_life_s, 1e-9))
+
+    def make_pins(self) -> tuple[KVMapPin, ...]:
+        now = self.clock()
+        return tuple(KVMapPin(pin.pin_id, namespace_tenant(pin.namespace), len(pin.block_hashes),
+                              self.num_cached_of(pin.block_hashes), pin.expires_at - now)
+                     for pin in self.pins())
+
+    def make_prefix_trees(self, max_trees: int, max_nodes: int) -> tuple[tuple[PrefixTree, ...], int]:
+        """The `max_trees` largest trees of cached blocks (by blocks), each with at most `max_nodes`
+        segments (runs without a branch; the largest subtrees first), and how many trees there are.
+        A root is a block whose parent is not cached: a first block, or one whose parent was
+        evicted before it. One pass over the cached blocks to size every tree."""
+        by_hash = self._by_hash
+        children: dict[bytes, list[CachedBlock]] = {}
+        roots: list[CachedBlock] = []
+        for cached in by_hash.values():
+            parent = cached.parent_hash
+            if parent in by_hash:
+                siblings = children.get(parent)
+                if siblings is None:
+                    children[parent] = [cached]
+                else:
+                    siblings.append(cached)
+            else:
+                roots.append(cached)
+        trees = []
+        for root in roots:
+            # Segments in depth-first order, each after its parent: (parent index, its blocks).
+            segments: list[tuple[int, list[CachedBlock]]] = []
+            stack: list[tuple[CachedBlock, int]] = [(root, -1)]
+            size = 0
+            while stack:
+                block, parent = stack.pop()
+                run = [block]
+                kids = children.get(block.block_hash)
+                while kids is not None and len(kids) == 1:
+                    block = kids[0]
+                    run.append(block)
+                    kids = children.get(block.block_hash)
+                segments.append((parent, run))
+                size += len(run)
+                if kids:
+                    index = len(segments) - 1
+                    stack.extend((kid, index) for kid in kids)
+            trees.append((size, root, segments))
+        trees.sort(key=lambda tree: -tree[0])
+        return tuple(self._prefix_tree(root, segments, size, max_nodes)
+                     for size, root, segments in trees[:max_trees]), len(trees)
+
+    def _prefix_tree(self, root: CachedBlock, segments: list[tuple[int, list[CachedBlock]]], size: int,
+                     max_nodes: int) -> PrefixTree:
+        pinned, evictable = self._pin_counts, self._evictor
+        subtree = [len(run) for _, run in segments]
+        for index in range(len(segments) - 1, 0, -1):        # children come after their parents
+            subtree[segments[index][0]] += subtree[index]
+        kids: dict[int, list[int]] = {}
+        for index, (parent, _) in enumerate(segments):
+            kids.setdefault(parent, []).append(index)
+        # The largest subtrees first, a parent always before its children.
+        chosen: dict[int, int] = {}
+        frontier = [(-subtree[0], 0)]
+        while frontier and len(chosen) < max_nodes:
+            _, index = heapq.heappop(frontier)
+            chosen[index] = len(chosen)
+            for kid in kids.get(index, ()):
+                heapq.heappush(frontier, (-subtree[kid], kid))
+        num_pinned = num_held = max_depth = 0
+        nodes: dict[int, PrefixTreeNode] = {}
+        for index, (parent, run) in enumerate(segments):
+            seg_pinned = sum(1 for block in run if block.block_hash in pinned) if pinned else 0
+            seg_held = sum(1 for block in run if block.block_id not in evictable)
+            num_pinned += seg_pinned
+            num_held += seg_held
+            max_depth = max(max_depth, run[-1].stats.depth)
+            if index in chosen:
+                newest = [block.stats.times[-1] for block in run if block.stats.times]
+                nodes[index] = PrefixTreeNode(chosen.get(parent, -1), run[0].stats.depth, len(run),
+                                              run[0].stats.count, seg_pinned, seg_held, max(newest) if newest else None)
+        # A segment ends where its last block is continued by several blocks: one branch each.
+        num_branches = sum(1 for parent, children in kids.items() if parent >= 0 and len(children) > 1)
+        return PrefixTree(namespace_tenant(root.namespace), size, max_depth, num_branches, root.stats.count,
+                          num_pinned, num_held, tuple(nodes[index] for index in chosen), len(segments))
+
 
 def build_prefix_cache(cache_config, num_blocks: int,
                        clock: Callable[[], float] = time.monotonic) -> Optional[PrefixCache]:
@@ -374,7 +504,13 @@ def build_prefix_cache(cache_config, num_blocks: int,
     parse_share_groups(cache_config.prefix_share_groups)   # a bad spec is an error at start-up
     if not cache_config.enable_prefix_caching:
         return None
-    policy = make_policy(cache_config.eviction_policy, lru_k=cache_config.lru_k,
-                         half_life_s=cache_config.heat_half_life_s, num_blocks=num_blocks)
-    return PrefixCache(policy, clock, max_pinned_blocks=int(num_blocks * cache_config.max_pinned_fraction),
+    return PrefixCache(policy_from_config(cache_config, num_blocks), clock,
+                       max_pinned_blocks=int(num_blocks * cache_config.max_pinned_fraction),
                        history_blocks=2 * num_blocks)
+
+
+def policy_from_config(cache_config, num_blocks: int) -> EvictionPolicy:
+    """The eviction policy CacheConfig's eviction_policy, lru_k and heat_half_life_s name (at start,
+    and when the admin config API changes them)."""
+    return make_policy(cache_config.eviction_policy, lru_k=cache_config.lru_k,
+                       half_life_s=cache_config.heat_half_life_s, num_blocks=num_blocks)

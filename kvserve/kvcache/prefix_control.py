@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.policies import EvictionPolicy
 from kvserve.kvcache.prefix_cache import make_namespace, parse_share_groups
 from kvserve.stats import PrefixCacheStats
 
@@ -79,6 +80,15 @@ class PrefixControl:
         return [PinInfo(p.pin_id, len(p.block_hashes) * block_size, len(p.block_hashes),
                         self.cache.num_cached_of(p.block_hashes), p.expires_at - now)
                 for p in self.cache.pins() if self._owns(tenant, p.namespace)]
+
+    def set_policy(self, policy_name: str, policy: EvictionPolicy) -> None:
+        """The eviction policy changed at run time (the admin config API): the cache ranks by
+        `policy` from now on, and the stats name it."""
+        if self.cache is None:
+            raise ValueError("eviction_policy: prefix caching is off (--no-prefix-caching), so no eviction "
+                             "policy runs")
+        self.cache.set_policy(policy)
+        self.policy_name = policy_name
 
     def make_stats(self) -> PrefixCacheStats:
         if self.cache is None:

@@ -70,6 +70,10 @@ METRIC_NAMES = (
     f"{NAMESPACE}:prefix_cache_evictable_blocks",
     f"{NAMESPACE}:prefix_cache_pinned_blocks",
     f"{NAMESPACE}:prefix_cache_policy_info",
+    # Run-time reconfiguration (the admin config API; engine/runtime_config.py).
+    f"{NAMESPACE}:config_changes_total",
+    f"{NAMESPACE}:config_value",
+    f"{NAMESPACE}:config_info",
 )
 # Present only with latency targets (--slo-ttft / --slo-tpot; docs/slo_scheduling.md).
 SLO_METRIC_NAMES = (
@@ -241,6 +245,29 @@ def _bandwidth_metrics(bw: BandwidthStats, labels: list[str], values: list[str])
                                   "(step_bytes_read over it: the mean read rate).", labels=labels)
     seconds.add_metric(values, bw.seconds_total)
     yield seconds
+
+
+def _runtime_config_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """The reconfigurable settings now and their changes (always rendered: empty before the engine's
+    first snapshot). Fields are the engine's settings and the configured classes: a bounded set."""
+    changes = CounterMetricFamily(f"{NAMESPACE}:config_changes", "Run-time changes of an engine setting, by "
+                                  "field and source (admin: the admin config API; adaptive: the adaptive eviction "
+                                  "policy switching arm; auto: memory pressure resizing the host KV tier).",
+                                  labels=labels + ["field", "source"])
+    value = GaugeMetricFamily(f"{NAMESPACE}:config_value", "The numeric engine settings the admin config API may "
+                              "change, as the engine uses them now (unset ones absent).", labels=labels + ["field"])
+    info = GaugeMetricFamily(f"{NAMESPACE}:config_info", "The named engine settings the admin config API may "
+                             "change (1 for the value in force).", labels=labels + ["field", "value"])
+    config = snap.runtime_config
+    if config is not None:
+        for field, by_source in sorted(config.changes.items()):
+            for source, count in sorted(by_source.items()):
+                changes.add_metric(values + [field, source], count)
+        for field, number in sorted(config.values.items()):
+            value.add_metric(values + [field], number)
+        for field, choice in sorted(config.choices.items()):
+            info.add_metric(values + [field, choice], 1)
+    yield from (changes, value, info)
 
 
 def _press_metrics(snap: EngineSnapshot, labels: list[str], values: list[str]) -> Iterable[Metric]:
@@ -464,6 +491,7 @@ class _EngineStateCollector:
             shed.add_metric(values + ["arrival"], snap.slo_rejected_at_arrival)
             shed.add_metric(values + ["queue"], snap.slo_rejected_in_queue)
             yield shed
+        yield from _runtime_config_metrics(snap, labels, values)
 
 
 class _PrefixCacheCollector:
@@ -541,8 +569,9 @@ class _ExpertLoadCollector:
 
 class ServerMetrics:
     """/metrics of one server. `snapshot` gives the latest EngineSnapshot (read at scrape time);
-    `slo` the latency targets finished requests are judged by (the engine's, from its
-    LatencyTargetStats); `expert_load`, where given, is read instead of the snapshot's expert load
+    `slo` the latency targets at start: finished requests are judged by those the engine holds when
+    they finish (the snapshot's, which the admin config API may change), these until its first
+    snapshot; `expert_load`, where given, is read instead of the snapshot's expert load
     (for a caller with an engine but no engine thread)."""
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
@@ -553,6 +582,7 @@ class ServerMetrics:
         # --vllm-metric-aliases: render also repeats the series vLLM names the same (obs/vllm_aliases.py).
         self.vllm_aliases = vllm_aliases
         self.slo = slo if slo is not None and slo.enabled else None
+        self._snapshot = snapshot
         self.registry = CollectorRegistry(auto_describe=True)
         # One label map for every per-tenant series, so that a tenant past the cap is "other" in all.
         self._tenant_label = TenantLabels()
@@ -601,15 +631,32 @@ class ServerMetrics:
         self._tenant_ttft = Histogram(f"{NAMESPACE}:tenant_time_to_first_token_seconds", "Time from arrival to "
                                       "the first token, by tenant.", tenant_labels, namespace="",
                                       buckets=_TTFT_BUCKETS, registry=request_registry)
-        self._slo_outcomes = None
+        self._request_registry = request_registry
+        self._slo_outcomes: Optional[Counter] = None
         if self.slo is not None:
-            # Server-side goodput: the rate of outcome="met" is requests served within every target.
+            self._slo_counter()
+
+    def _slo_counter(self) -> Counter:
+        """Server-side goodput: the rate of outcome="met" is requests served within every target.
+        Made when there first are targets (at start, or once the admin config API sets one)."""
+        if self._slo_outcomes is None:
             self._slo_outcomes = Counter(f"{NAMESPACE}:requests_slo",
                                          "Finished requests (stop or length) by whether they met the latency "
-                                         "targets (--slo-ttft, --slo-tpot).", labels + ["outcome"],
-                                         registry=request_registry)
+                                         "targets (--slo-ttft, --slo-tpot) in force when they finished.",
+                                         ["model_name", "outcome"], registry=self._request_registry)
             for outcome in SLO_OUTCOMES:
-                self._slo_outcomes.labels(model_name, outcome)
+                self._slo_outcomes.labels(self.model_name, outcome)
+        return self._slo_outcomes
+
+    def _slo_targets_now(self) -> tuple[Optional[float], Optional[float]]:
+        """(TTFT, TPOT) targets as the engine holds them now (the admin config API may have changed
+        them since start); before the engine's first snapshot, those given at start."""
+        snap = self._snapshot()
+        if snap.slo_max_running is not None:            # the engine's latency controller runs
+            return snap.slo_ttft_target_s, snap.slo_tpot_target_s
+        if snap.runtime_config is not None:             # an engine without targets now
+            return None, None
+        return (self.slo.ttft_s, self.slo.tpot_s) if self.slo is not None else (None, None)
 
     def observe_finished(self, info: FinishedRequest) -> None:
         self._success.labels(self.model_name, info.finish_reason).inc()
@@ -628,16 +675,17 @@ class ServerMetrics:
                                   / (info.max_sample_tokens - 1))
         self.prompt_tokens.observe(info.num_prompt_tokens)
         self.generation_tokens.observe(info.num_generation_tokens)
-        if self._slo_outcomes is not None:
-            self._slo_outcomes.labels(self.model_name, self._slo_outcome(info)).inc()
+        ttft_s, tpot_s = self._slo_targets_now()
+        if ttft_s is not None or tpot_s is not None:
+            self._slo_counter().labels(self.model_name, self._slo_outcome(info, ttft_s, tpot_s)).inc()
 
-    def _slo_outcome(self, info: FinishedRequest) -> str:
+    @staticmethod
+    def _slo_outcome(info: FinishedRequest, ttft_s: Optional[float], tpot_s: Optional[float]) -> str:
         """TTFT from arrival; TPOT as the histogram's (one token: no TPOT to miss)."""
-        targets = self.slo
         first = info.first_token_time if info.first_token_time is not None else info.finished_time
-        ttft_missed = targets.ttft_s is not None and first - info.arrival_time > targets.ttft_s
-        tpot_missed = (targets.tpot_s is not None and info.max_sample_tokens > 1
-                       and (info.finished_time - first) / (info.max_sample_tokens - 1) > targets.tpot_s)
+        ttft_missed = ttft_s is not None and first - info.arrival_time > ttft_s
+        tpot_missed = (tpot_s is not None and info.max_sample_tokens > 1
+                       and (info.finished_time - first) / (info.max_sample_tokens - 1) > tpot_s)
         if ttft_missed and tpot_missed:
             return "missed_both"
         return "missed_ttft" if ttft_missed else "missed_tpot" if tpot_missed else "met"

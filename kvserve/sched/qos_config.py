@@ -141,28 +141,29 @@ def load_qos_config(path: Optional[str]) -> QoSConfig:
     return config
 
 
+def check_class(where: str, cls: QoSClass) -> None:
+    """One class's rules, at start (`where` = "--qos-config FILE: classes.NAME") and when the admin
+    config API changes its targets ("qos_classes.NAME"): a ValueError naming the field otherwise."""
+    if cls.ttft_p99 is None and cls.tpot_p99 is None:
+        raise ValueError(f"{where} has no target (ttft_p99 or tpot_p99)")
+    for field, value in (("ttft_p99", cls.ttft_p99), ("tpot_p99", cls.tpot_p99)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{where}.{field} must be a positive number of seconds, got {value}")
+    if cls.on_miss not in (SHED, QUEUE):
+        raise ValueError(f"{where}.on_miss must be {SHED} or {QUEUE}, got {cls.on_miss!r}")
+    if cls.on_miss == SHED and cls.ttft_p99 is None:
+        raise ValueError(f"{where} sheds (on_miss: shed) but has no ttft_p99")
+    if cls.kv_reservation_blocks is not None and cls.kv_reservation_fraction is not None:
+        raise ValueError(f"{where} has both kv_reservation_blocks and kv_reservation_fraction; give one")
+    if cls.kv_reservation_blocks is not None and cls.kv_reservation_blocks < 1:
+        raise ValueError(f"{where}.kv_reservation_blocks must be at least 1, got {cls.kv_reservation_blocks}")
+    if cls.kv_reservation_fraction is not None and not 0 < cls.kv_reservation_fraction < 1:
+        raise ValueError(f"{where}.kv_reservation_fraction must be in (0, 1), got {cls.kv_reservation_fraction}")
+
+
 def _check_classes(path: str, config: QoSConfig) -> None:
     for name, cls in config.classes.items():
-        if cls.ttft_p99 is None and cls.tpot_p99 is None:
-            raise ValueError(f"--qos-config {path}: classes.{name} has no target (ttft_p99 or tpot_p99)")
-        for field, value in (("ttft_p99", cls.ttft_p99), ("tpot_p99", cls.tpot_p99)):
-            if value is not None and not value > 0:
-                raise ValueError(f"--qos-config {path}: classes.{name}.{field} must be a positive number of "
-                                 f"seconds, got {value}")
-        if cls.on_miss not in (SHED, QUEUE):
-            raise ValueError(f"--qos-config {path}: classes.{name}.on_miss must be {SHED} or {QUEUE}, "
-                             f"got {cls.on_miss!r}")
-        if cls.on_miss == SHED and cls.ttft_p99 is None:
-            raise ValueError(f"--qos-config {path}: classes.{name} sheds (on_miss: shed) but has no ttft_p99")
-        if cls.kv_reservation_blocks is not None and cls.kv_reservation_fraction is not None:
-            raise ValueError(f"--qos-config {path}: classes.{name} has both kv_reservation_blocks and "
-                             f"kv_reservation_fraction; give one")
-        if cls.kv_reservation_blocks is not None and cls.kv_reservation_blocks < 1:
-            raise ValueError(f"--qos-config {path}: classes.{name}.kv_reservation_blocks must be at least 1, "
-                             f"got {cls.kv_reservation_blocks}")
-        if cls.kv_reservation_fraction is not None and not 0 < cls.kv_reservation_fraction < 1:
-            raise ValueError(f"--qos-config {path}: classes.{name}.kv_reservation_fraction must be in (0, 1), "
-                             f"got {cls.kv_reservation_fraction}")
+        check_class(f"--qos-config {path}: classes.{name}", cls)
     named = [("default_class", config.default_class)]
     for tenant, policy in config.tenants.items():
         named.append((f"tenants.{tenant}.default_class", policy.default_class))

@@ -12,6 +12,7 @@ import torch
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.kvcache.prefix_cache import make_namespace, namespace_root
+from kvserve.sched.phases import RequestPhases
 
 _DEFAULT_NAMESPACE = make_namespace(None, None)
 _DEFAULT_ROOT = namespace_root(_DEFAULT_NAMESPACE)
@@ -94,6 +95,7 @@ class Request:
     num_cached_tokens: Optional[int] = None     # tokens served from the prefix cache at first admission
     expected_cached_tokens: int = 0             # cached when it arrived: latency estimates (slo.py) only
     num_bypassed: int = 0                       # times a later request was admitted first (cache-aware order)
+    phases: Optional[RequestPhases] = None      # traced requests only: its phases (sched/phases.py)
 
     def set_cache_namespace(self, namespace: str) -> None:
         self.cache_namespace = namespace

@@ -41,13 +41,14 @@ from collections import deque
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
+from kvserve.sched import phases
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.fair_share import VirtualTokenCounters
 from kvserve.sched.kv_reservations import ClassReservations
 from kvserve.sched.priority import priority_key
 from kvserve.sched.qos_classes import ClassLatency
-from kvserve.sched.qos_config import SHED, load_qos_config
+from kvserve.sched.qos_config import SHED, QoSClass, load_qos_config
 from kvserve.sched.request import PENDING_TOKEN, Request, RequestStatus
 from kvserve.sched.slo import (TTFT_MARGIN, EngineLoad, PendingWork, RequestOverloaded, SLOController, SLOTargets,
                                first_token_delay_s)
@@ -110,6 +111,30 @@ class Scheduler:
         # steps ahead with its step-cost model.
         self.slo: Optional[SLOController] = (SLOController(targets, config.max_num_seqs)
                                              if targets.enabled or self.classes is not None else None)
+
+    # --- run-time changes (the admin config API; engine/runtime_config.py) -----------------------
+    def set_latency_targets(self, ttft_s: Optional[float], tpot_s: Optional[float]) -> bool:
+        """New --slo-ttft / --slo-tpot. The controller keeps its step-time average, running limit and
+        step-cost model; without one yet, one is made (True: its step-cost model needs calibrating).
+        Without targets or classes left it goes, and scheduling is plain continuous batching again.
+        The targets are changed in place: the server's arrival gate holds the same controller."""
+        self.config.slo_ttft, self.config.slo_tpot = ttft_s, tpot_s
+        if self.slo is None:
+            if ttft_s is None and tpot_s is None:
+                return False
+            self.slo = SLOController(SLOTargets(ttft_s, tpot_s, self.config.slo_shed), self.config.max_num_seqs)
+            return True
+        self.slo.targets.ttft_s, self.slo.targets.tpot_s = ttft_s, tpot_s
+        if not self.slo.targets.enabled and self.classes is None:
+            self.slo = None
+        return False
+
+    def set_class(self, name: str, cls: QoSClass) -> None:
+        """A request class's new definition (its targets changed at run time). The class latency
+        windows and the per-step TPOT limit read the same dict, so both judge by it from now on."""
+        if name not in self.qos.classes:
+            raise ValueError(f"qos_classes.{name}: no such request class")
+        self.qos.classes[name] = cls
 
     # --- admission ----------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int, tenant: Optional[str] = None) -> None:
@@ -225,6 +250,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         if prefetching:
             self.prefetching[request.request_id] = request
+            if request.phases is not None:
+                request.phases.begin(phases.KV_PREFETCH, time.monotonic())
             return
         self._enqueue(request)
 
@@ -232,6 +259,8 @@ class Scheduler:
         """A held request's prefetch is over (loaded, missed or given up): it starts waiting."""
         request = self.prefetching.pop(request_id, None)
         if request is not None:
+            if request.phases is not None:
+                request.phases.end(phases.KV_PREFETCH, time.monotonic())
             self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -486,12 +515,18 @@ class Scheduler:
             request = self.loading.pop(request_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.phases is not None:
+                request.phases.end(phases.KV_LOAD, time.monotonic(), ok=True)
 
     def _requeue_for_recompute(self, request: Request) -> None:
         request.reset_kv()
         if self.loading.pop(request.request_id, None) is not None:
             request.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(request)
+            if request.phases is not None:
+                now = time.monotonic()
+                request.phases.end(phases.KV_LOAD, now, ok=False)
+                request.phases.begin(phases.QUEUED, now, reason="load_failed")
 
     def _shed_late(self, out: SchedulerOutput) -> None:
         """Rejects waiting requests that, scheduled now, would miss their TTFT deadline. Requests
@@ -593,6 +628,7 @@ class Scheduler:
             if held_below is not None and request.priority > held_below:
                 continue                # a class above misses its p99 target: it gets the room
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
+            looked_up = time.monotonic() if request.phases is not None else 0.0
             hit = self._lookup(request)
             num_cached = hit.num_tokens if hit is not None else 0
             if self.kv_manager.is_swapped(request.request_id):
@@ -632,6 +668,8 @@ class Scheduler:
                     self.fair.charge(request.tenant, prompt_tokens=request.num_prompt_tokens - num_cached)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+            if request.phases is not None:
+                self._trace_admission(request, hit, num_cached, looked_up)
             if self.kv_manager.is_loading(request.request_id):
                 self.loading[request.request_id] = request      # runs once its KV has landed
                 continue
@@ -641,6 +679,23 @@ class Scheduler:
             budget -= num_new
         if admitted and fifo:
             self._count_bypasses(fifo, admitted)
+
+    def _trace_admission(self, request: Request, hit: Optional[PrefixHit], num_cached: int, looked_up: float) -> None:
+        """A traced request admitted: its lookup across the tiers, the end of its wait, and the
+        start of the copy that brings its KV in from the host (a prefix hit or a swap-in)."""
+        recorder, now = request.phases, time.monotonic()
+        gpu_blocks = len(hit.block_ids) if hit is not None else 0
+        host_blocks = len(hit.host_block_ids) if hit is not None else 0
+        recorder.add(phases.TIER_LOOKUP, looked_up, now, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
+                     query_tokens=hit.num_query_tokens if hit is not None else 0, cached_tokens=num_cached)
+        recorder.end(phases.PREEMPTED, now)
+        recorder.end(phases.QUEUED, now, cached_tokens=num_cached)
+        if self.kv_manager.is_loading(request.request_id):
+            if host_blocks:
+                recorder.begin(phases.KV_LOAD, now, tier="host", kind="prefix", blocks=host_blocks)
+            else:
+                blocks = -(-request.num_kv_tokens // self.kv_manager.block_size)
+                recorder.begin(phases.KV_LOAD, now, tier="host", kind="swap_in", blocks=blocks)
 
     @staticmethod
     def _count_bypasses(fifo: list[Request], admitted: set[str]) -> None:
@@ -681,6 +736,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
+        if request.phases is not None:
+            request.phases.begin(phases.PREEMPTED, time.monotonic(), mode="swap" if swapped else "recompute")
 
     # --- after the model ran ------------------------------------------------------------------
     def advance(self, scheduled: ScheduledRequest) -> None:

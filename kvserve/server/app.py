@@ -13,8 +13,10 @@ needs neither; its requests still carry its name in Host, which `_HostCheck` ref
 --allowed-hosts names it (on a loopback --host, only loopback names are served by default).
 
 /health and /metrics need no API key (probes and Prometheus scrape them); /v1/* do when keys are
-configured. GET /v1/usage (per-tenant usage) needs the admin key (--admin-api-key), which opens
-nothing else.
+configured. GET /v1/usage (per-tenant usage) and /v1/admin/config (engine settings changed at run
+time: server/admin_config.py) need the admin key (--admin-api-key), which opens nothing else; so
+does /dashboard/events, the stream of the live KV map (server/dashboard.py), whose page /dashboard
+is public static HTML that asks for the key.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import kvserve
 from kvserve.engine.client import EngineClient, ServedModel
 from kvserve.obs.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.sched.slo import SLOTargets
+from kvserve.server.admin_config import install_admin_config
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, echo, format_validation_errors, install_error_handlers
 from kvserve.server.protocol import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -44,6 +47,7 @@ from kvserve.server.serving_base import ServingContext, SSEStream
 from kvserve.server.serving_chat import OpenAIServingChat
 from kvserve.server.serving_completions import OpenAIServingCompletion
 from kvserve.server.serving_pins import OpenAIServingPins
+from kvserve.server.dashboard import install_dashboard
 from kvserve.server.serving_tokenize import OpenAIServingTokenization
 from kvserve.server.usage import usage_summary
 
@@ -162,7 +166,7 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
     admin_key = config.load_admin_key(api_keys)
     # Metrics read the snapshot the engine side republishes (made from Engine.make_stats()).
     metrics = ServerMetrics(lambda: async_engine.snapshot, model_names[0], slo=_slo_targets(served),
-                            multiprocess_dir=metrics_dir)
+                            multiprocess_dir=metrics_dir, vllm_aliases=config.vllm_metric_aliases)
     async_engine.on_request_finished = metrics.observe_finished
     serving = ServingContext(async_engine, config, model_names)
     completions_api = OpenAIServingCompletion(serving)
@@ -281,6 +285,11 @@ def build_app(async_engine: EngineClient, config: Optional[ServerConfig] = None,
     @app.get("/v1/usage", summary="per-tenant requests, tokens, KV blocks and fair-share counters (admin key)")
     async def usage(_admin: None = Depends(authenticate_admin)) -> dict[str, Any]:
         return usage_summary(async_engine.snapshot)
+
+    install_dashboard(app, async_engine, authenticate_admin, model_names[0])   # /dashboard: the live KV map
+
+    install_admin_config(app, async_engine, authenticate_admin,
+                         lambda request, model: read_body(request, model, config.max_request_bytes))
 
     # vLLM serves these at the root too; same handlers, kept out of the schema to avoid duplicates.
     app.add_api_route("/tokenize", tokenize, methods=["POST"], include_in_schema=False)

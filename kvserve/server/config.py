@@ -33,7 +33,8 @@ class ServerConfig:
     api_keys_file: Optional[str] = _opt(None, "JSON object mapping API key -> tenant name (or null); any listed "
                                               "key is accepted and sets the request's tenant")
     admin_api_key: Optional[str] = _opt(None, "the operator's key: `Authorization: Bearer KEY` opens GET /v1/usage "
-                                              "(per-tenant usage) and nothing else; must differ from every API key "
+                                              "(per-tenant usage), /v1/admin/config (engine settings changed at "
+                                              "run time) and /dashboard/events (the live KV map) and nothing else; must differ from every API key "
                                               "(also read from $KVSERVE_ADMIN_API_KEY)")
     trust_request_tenant: bool = _opt(False, "honour the request's `tenant` field for keys without a tenant: only "
                                              "behind a gateway that authenticates users and sets it")
@@ -62,11 +63,19 @@ class ServerConfig:
                                                  "R1-Distill-Qwen), llama3_json (Llama 3.1/3.2), deepseek_v3 "
                                                  "(DeepSeek-V3/R1); needs --enable-auto-tool-choice",
                                            choices=TOOL_CALL_PARSERS)
+    otlp_traces_endpoint: Optional[str] = _opt(None, "send a trace of every request, with a span per phase (queued, "
+                                                     "tier loads, prefill chunks, decode, preemption, stream end), "
+                                                     "to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318; "
+                                                     "/v1/traces is added to a URL without a path); a request's "
+                                                     "W3C traceparent makes it a child of the caller's span")
     enable_auto_tool_choice: bool = _opt(False, "let requests with tools use tool_choice auto (the default), "
                                                 "read by --tool-call-parser; without it only required and named "
                                                 "tool choices are served")
     api_server_count: int = _opt(1, "HTTP front-end processes on the one port (SO_REUSEPORT), all talking to "
                                     "the one engine core process")
+    vllm_metric_aliases: bool = _opt(False, "/metrics also shows the series that mean the same as vLLM's under "
+                                            "their vllm: names (same values and labels), so dashboards and alerts "
+                                            "written for vLLM work (docs/observability.md)")
 
     def validate(self) -> None:
         check_fields(self)          # the fields' choices (generation_config, reasoning_parser, tool_call_parser)
@@ -85,6 +94,9 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.otlp_traces_endpoint is not None:
+            from kvserve.obs.tracing import traces_url
+            traces_url(self.otlp_traces_endpoint)           # a clear error for what is not an http(s) URL
         if self.allowed_hosts is not None and not _host_list(self.allowed_hosts):
             raise ValueError(f"allowed_hosts must name at least one host (or '*'), got {self.allowed_hosts!r}")
 

@@ -39,6 +39,7 @@ from kvserve.server.structured_fields import structured_output_of
 from kvserve.server.tools import template_tool_calls
 from kvserve.sched.slo import RequestOverloaded
 from kvserve.model.loader.generation_config import sampling_defaults
+from kvserve.obs.tracing import RequestTracer
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, echo, error_body, from_value_error
 from kvserve.server.protocol import ChatMessage
@@ -134,6 +135,9 @@ class ServingContext:
         self.max_num_seqs = served.max_num_seqs
         self.slo_ttft = served.slo_ttft_s
         self.created = int(time.time())
+        # --otlp-traces-endpoint: a trace per request (kvserve/obs/tracing.py); None: off.
+        self.tracer = (RequestTracer(config.otlp_traces_endpoint, model_names[0])
+                       if config.otlp_traces_endpoint else None)
         # One worker: tokenizers are used by one HTTP-side thread at a time; long prompts and
         # chat templates never stall the event loop.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
@@ -148,6 +152,8 @@ class ServingContext:
 
     def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if self.tracer is not None:
+            self.tracer.shutdown()          # the last traces go out
 
 
 class OpenAIServing:
@@ -163,7 +169,13 @@ class OpenAIServing:
         self.max_model_len = context.max_model_len
         self.vocab_size = context.vocab_size
         self.max_num_seqs = context.max_num_seqs
-        self.slo_ttft = context.slo_ttft
+
+    @property
+    def slo_ttft(self) -> Optional[float]:
+        """The server's TTFT target now (the admin config API may change it): the engine's latest
+        snapshot's, else the one it started with."""
+        snapshot = self.async_engine.snapshot
+        return snapshot.slo_ttft_target_s if snapshot.slo_max_running is not None else self.context.slo_ttft
 
     # --- shared checks ---------------------------------------------------------------------------
     @property
@@ -346,11 +358,37 @@ class OpenAIServing:
 
     # --- the engine ------------------------------------------------------------------------------
     async def _submit(self, request_id: str, prompt_ids: list[list[int]], params: SamplingParams, req: Any,
-                      tenant: Optional[str], arrival_time: float) -> RequestStream:
+                      tenant: Optional[str], arrival_time: float, raw: Optional[Request] = None) -> RequestStream:
         """Queues the prompts under `tenant` (already resolved by resolve_tenant); `arrival_time` is
-        when the request reached the server (time.monotonic())."""
+        when the request reached the server (time.monotonic()). With tracing on, the stream carries
+        the request's trace (its parent from `raw`'s traceparent), ended with the stream."""
+        stream = self.async_engine.open_stream()
+        tracer = self.context.tracer
+        if tracer is not None:
+            stream.trace = tracer.start(raw.headers if raw is not None else {}, request_id, arrival_time,
+                                        {"gen_ai.request.max_tokens": params.max_tokens or 0,
+                                         "gen_ai.request.temperature": params.temperature,
+                                         "gen_ai.request.top_p": params.top_p, "gen_ai.request.n": params.n,
+                                         "gen_ai.request.stream": bool(getattr(req, "stream", False))})
+        traced = stream.trace is not None and stream.trace.is_recording
+        try:
+            await self._add_prompts(stream, request_id, prompt_ids, params, req, tenant, arrival_time, traced)
+        except APIError as exc:
+            if stream.trace is not None:
+                stream.trace.fail(exc.status_code, str(exc))
+            raise
+        except BaseException as exc:
+            if stream.trace is not None:
+                stream.trace.fail(500, type(exc).__name__)
+            raise
+        return stream
+
+    async def _add_prompts(self, stream: RequestStream, request_id: str, prompt_ids: list[list[int]],
+                           params: SamplingParams, req: Any, tenant: Optional[str], arrival_time: float,
+                           traced: bool) -> None:
+        """Adds each prompt to the engine on `stream`; an engine refusal becomes its HTTP error,
+        and what was added is aborted."""
         engine = self.async_engine
-        stream = engine.open_stream()
         # Prefix-cache options ride in the prompt dict (as vLLM's cache_salt does), so AsyncEngine
         # passes them through unchanged; the tenant picks the cache namespace.
         cache_options = {key: value for key, value in (("tenant", tenant), ("cache_salt", req.cache_salt),
@@ -361,7 +399,7 @@ class OpenAIServing:
             for index, ids in enumerate(prompt_ids):
                 await engine.add_request(f"{request_id}-{index}", {"prompt_token_ids": ids, **cache_options}, params,
                                          stream=stream, tenant=tenant, priority=req.priority,
-                                         arrival_time=arrival_time)
+                                         arrival_time=arrival_time, trace=traced)
         except EngineShutdownError as exc:
             stream.abort()
             raise APIError(503, str(exc), code="server_shutting_down") from None
@@ -380,7 +418,6 @@ class OpenAIServing:
         except BaseException:
             stream.abort()
             raise
-        return stream
 
     async def _collect(self, stream: RequestStream, raw: Request) -> dict[str, RequestOutput]:
         """All final outputs, aborting everything if the client disconnects meanwhile."""
@@ -413,16 +450,23 @@ class OpenAIServing:
                 consumer.cancel()
             if not stream.finished:
                 stream.abort()
+            if stream.trace is not None:
+                stream.trace.end(stream.final_outputs)
         return finals
 
     async def _call_engine(self, call: Awaitable[Any]) -> Any:
-        """Awaits an engine-side call (a pin, a pin list); a stopping or dead engine is a 503."""
-        try:
-            return await call
-        except EngineShutdownError as exc:
-            raise APIError(503, str(exc), code="server_shutting_down") from None
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
+        return await call_engine(call)
+
+
+async def call_engine(call: Awaitable[Any]) -> Any:
+    """Awaits an engine-side call (a pin, a pin list, the admin config); a stopping or dead engine
+    is a 503."""
+    try:
+        return await call
+    except EngineShutdownError as exc:
+        raise APIError(503, str(exc), code="server_shutting_down") from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), type="server_error", code="engine_dead") from None
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -488,6 +532,8 @@ async def guarded(chunks: AsyncIterator[str], stream: RequestStream) -> AsyncIte
     finally:
         if not stream.finished:
             stream.abort()
+        if stream.trace is not None:
+            stream.trace.end(stream.final_outputs)
 
 
 def finish_reason_of(sample: CompletionOutput) -> Optional[str]:

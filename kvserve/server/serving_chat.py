@@ -50,7 +50,7 @@ class OpenAIServingChat(OpenAIServing):
         # Whether the output starts inside a think: R1 always; qwen3 if the template left one open.
         in_reasoning = parser is not None and parser.starts_in_reasoning(
             self.tokenizer.decode(prompt_ids[-64:], skip_special_tokens=False) if self.tokenizer is not None else "")
-        stream = await self._submit(request_id, [prompt_ids], params, req, tenant, arrival_time)
+        stream = await self._submit(request_id, [prompt_ids], params, req, tenant, arrival_time, raw)
         sub_id = f"{request_id}-0"
         if req.stream:
             chunks = self._stream_chat(request_id, model, req, params, sub_id, stream, in_reasoning, tools)

@@ -44,7 +44,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt in prompts:
             self._check_length(len(prompt.token_ids), req.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, req, tenant, arrival_time)
+        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, req, tenant, arrival_time,
+                                    raw)
         sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         if req.stream:
             chunks = self._stream_completion(request_id, model, req, params, prompts, sub_ids, stream)

@@ -134,7 +134,8 @@ class AdaptivePolicy(EvictionPolicy):
         self.switch_margin = switch_margin
         self.num_switches = 0
         self.tracks_fanout = any(policy.tracks_fanout for policy in arms)   # any arm may become active
-        self.on_switch: Optional[Callable[[], None]] = None     # set by the cache: re-key its blocks
+        # Set by the cache: re-key its blocks, and tell whoever records config events (old, new arm).
+        self.on_switch: Optional[Callable[[str, str], None]] = None
         self._lookups = 0
         self._queries = 0.0
         self._epoch_queries = 0
@@ -212,7 +213,7 @@ class AdaptivePolicy(EvictionPolicy):
         self._decisions.append(decision)
         logger.info("adaptive eviction: %s", decision)
         if self.on_switch is not None:
-            self.on_switch()
+            self.on_switch(old, self.label)
 
     def snapshot(self) -> AdaptivePolicyStats:
         return AdaptivePolicyStats(self.label, self.num_switches, self.shadow_hit_rates(), tuple(self._decisions))

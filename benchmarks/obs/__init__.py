@@ -1,0 +1,1 @@
+"""Observability scripts: the deploy kit's dashboard queries against a real Prometheus (docs/observability.md)."""
