@@ -17,7 +17,7 @@ PhaseRecord = tuple[str, float, Optional[float], dict[str, AttrValue]]
 
 # Decode step events kept per request: a long generation keeps every 2nd, then every 4th... step,
 # so a trace costs the same whatever the length.
-MAX_STEP_EVENTS = 64
+MAX_STEP_EVENTS = 16
 
 REQUEST = "request"             # an event with the request's own attributes (tenant, class, KV format, press)
 QUEUED = "queued"

@@ -18,12 +18,13 @@ def test_copy_bandwidth_is_measured_once_per_device():
 
 
 def test_weight_profile_leaves_out_an_untied_embedding_and_counts_a_tied_one_once(tiny_checkpoint):
-    """Against the checkpoint's own parameters (transformers' model in the same dtype): the CPU
-    path repacks the linear weights into buffers of the same size."""
+    """Against the checkpoint's own parameters (transformers' model), counted in the engine's
+    dtype: the CPU path repacks the linear weights into buffers of the same size."""
     folder, hf_model = tiny_checkpoint
-    model = LLM(folder, enforce_eager=True).engine.model
-    total = sum(p.nbytes for p in hf_model.parameters())      # a tied matrix is listed once
-    embedding = hf_model.get_input_embeddings().weight.nbytes
+    engine = LLM(folder, enforce_eager=True, kv_cache_memory=1 << 20).engine
+    model, element = engine.model, torch.tensor([], dtype=engine.dtype).element_size()
+    total = sum(p.numel() for p in hf_model.parameters()) * element      # a tied matrix is listed once
+    embedding = hf_model.get_input_embeddings().weight.numel() * element
     profile = weight_profile(model)
     if hf_model.config.tie_word_embeddings:
         assert profile.dense_bytes == total                 # the LM head reads the shared matrix whole
@@ -59,7 +60,7 @@ def test_engine_counts_weights_and_the_kv_each_step_reads(tiny_checkpoint):
     """One request of P prompt tokens and N outputs without chunking: a prefill step that reads the
     weights and P tokens' KV, then N - 1 decode steps reading the weights and P + i tokens' KV."""
     folder, _ = tiny_checkpoint
-    llm = LLM(folder, enforce_eager=True, async_scheduling="off")
+    llm = LLM(folder, enforce_eager=True, async_scheduling="off", kv_cache_memory=1 << 20)
     engine = llm.engine
     prompt, new = list(range(3, 40)), 6
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True),
@@ -79,7 +80,7 @@ def test_bandwidth_metrics_are_exported(tiny_checkpoint):
     from kvserve.engine.client import EngineSnapshot
     from kvserve.obs.metrics import BANDWIDTH_METRIC_NAMES, ServerMetrics
     folder, _ = tiny_checkpoint
-    llm = LLM(folder, enforce_eager=True)
+    llm = LLM(folder, enforce_eager=True, kv_cache_memory=1 << 20)
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     snapshot = EngineSnapshot.from_stats(llm.engine.make_stats(), 3, 0, 0)
     text = ServerMetrics(lambda: snapshot, "m").render().decode()
