@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.slow, requires_default_model]
 BLOCK = 16
 CHUNK = 48                                   # the prefill token budget: a 200-token prompt runs in 5 chunks
 PROMPT = list(range(100, 300))               # 12 full blocks before its last token
+# The traced requests: PROMPT's 12 blocks (from the host tier) and 108 more tokens of their own
+# (no cache holds them), computed in 3 chunks.
+CONTINUED = {False: PROMPT + list(range(5000, 5100)), True: PROMPT + list(range(6000, 6100))}
 FILLERS = [list(range(1000 + 300 * i, 1200 + 300 * i)) for i in range(2)]
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"
@@ -66,14 +69,14 @@ def _complete(url: str, prompt: list[int], headers: dict = None, **extra) -> dic
 
 
 def _host_hit_request(url: str, traceparent: str, stream: bool = False) -> str:
-    """PROMPT computed, pushed to the host tier by the fillers, then asked again (the traced run)."""
+    """PROMPT computed, pushed to the host tier by the fillers, then CONTINUED (the traced run)."""
     _complete(url, PROMPT)
     for filler in FILLERS:
         _complete(url, filler)
     headers = {"traceparent": traceparent}
     if not stream:
-        return _complete(url, PROMPT, headers)["choices"][0]["text"]
-    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+        return _complete(url, CONTINUED[stream], headers)["choices"][0]["text"]
+    body = {"prompt": CONTINUED[stream], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
     text = ""
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=60) as response:
         assert response.status_code == 200
@@ -92,7 +95,7 @@ def test_a_host_tier_hit_in_chunks_gives_a_span_per_phase_under_the_callers_span
     spans = receiver.trace(trace_id)
     (root,) = [s for s in spans if s.name == "llm_request"]
     assert root.parent_span_id == PARENT_SPAN_ID and root.service == "kvserve"
-    assert root.attributes["gen_ai.usage.prompt_tokens"] == len(PROMPT)
+    assert root.attributes["gen_ai.usage.prompt_tokens"] == len(CONTINUED[stream])
     assert root.attributes["gen_ai.usage.completion_tokens"] == 6
     assert root.attributes["kvserve.cached_tokens"] == 12 * BLOCK          # every full block, from the host
     assert root.attributes["kvserve.kv_format"]
@@ -109,11 +112,12 @@ def test_a_host_tier_hit_in_chunks_gives_a_span_per_phase_under_the_callers_span
     assert load.attributes["kvserve.tier"] == "host" and load.attributes["kvserve.kind"] == "prefix"
     assert load.attributes["kvserve.blocks"] == 12 and load.attributes["kvserve.bytes"] > 0
     assert load.attributes["kvserve.ok"] is True
-    # Only the last 8 prompt tokens are computed (the host supplied the rest): one chunk, after the load.
+    # The host supplied 192 tokens; the other 108 run in chunks of the 48-token budget, after the load.
     chunks = by_name["prefill_chunk"]
-    assert [c.attributes["kvserve.tokens"] for c in chunks] == [len(PROMPT) - 12 * BLOCK]
-    assert chunks[0].attributes["kvserve.first_position"] == 12 * BLOCK
+    assert [c.attributes["kvserve.tokens"] for c in chunks] == [48, 48, 12]
+    assert [c.attributes["kvserve.first_position"] for c in chunks] == [192, 240, 288]
     assert load.end_ns <= chunks[0].start_ns
+    assert all(a.end_ns <= b.start_ns for a, b in zip(chunks, chunks[1:]))
     decode, = by_name["decode"]
     assert chunks[-1].end_ns <= decode.start_ns
     steps = [e for e in decode.events if e[0] == "decode_step"]
