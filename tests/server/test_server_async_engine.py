@@ -51,7 +51,7 @@ class FakeEngine:
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, trace=False):
         self._touch()
         ids = prompt["prompt_token_ids"]
         if not ids:
