@@ -18,7 +18,7 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing $packages(apt-get)"
     apt-get update -qq
     # shellcheck disable=SC2086
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $packages
     for command in "${!PACKAGE_OF[@]}"; do
         command -v "$command" >/dev/null 2>&1 || { echo "$command still not on PATH after apt-get install" >&2; exit 1; }
     done
