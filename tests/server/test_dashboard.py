@@ -150,8 +150,13 @@ def test_the_map_follows_requests_as_they_run_and_finish(server):
     kv_map = finished["kv_map"]
     assert _gpu_counts(finished)["running"] == 0
     assert "alice" in kv_map["tenants"]
-    trees = [t for t in kv_map["prefix_trees"] or [] if t["tenant"] == "alice"]
-    assert trees and trees[0]["num_blocks"] >= results["usage"]["prompt_tokens"] // 16
+
+    def alice_tree(event: dict) -> bool:
+        # Trees are rebuilt at most every TREES_INTERVAL_S and sent once per stream: wait for one
+        # made after the request finished.
+        trees = [t for t in event["kv_map"]["prefix_trees"] or [] if t["tenant"] == "alice"]
+        return bool(trees) and trees[0]["num_blocks"] >= results["usage"]["prompt_tokens"] // 16
+    _until(server.url, alice_tree, "alice's prefix tree with the request's prompt blocks")
 
 
 def test_a_server_without_an_admin_key_refuses_the_stream(folder):
