@@ -272,7 +272,7 @@ class BandwidthStats:
     weight_bytes_per_step: int   # the weights one forward reads (every layer's, the active experts' for MoE)
     last_bytes_read: int         # the latest step's bytes
     last_step_s: float           # and its time
-    last_utilization: float      # over the steps of the last second: their bytes / their time / peak_bytes_per_s
+    recent_utilization: float    # over the steps of the last second: their bytes / their time / peak_bytes_per_s
     # (upper bound, steps in that bucket alone) of per-step utilization since start
     utilization_buckets: tuple[tuple[float, int], ...] = ()
     utilization_sum: float = 0.0  # summed per-step utilization (the histogram's _sum)

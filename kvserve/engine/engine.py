@@ -112,6 +112,8 @@ class Engine:
         logger.info("loaded %s (%s) on %s as %s in %.1fs", self.source.path, self.source.architecture,
                     self.device, self.dtype, time.perf_counter() - started)
 
+        # The copy bandwidth each step is set against, measured before the KV cache takes the memory.
+        peak_bandwidth = measure_copy_bandwidth(str(self.device))
         # The KV format (kvserve/kvstore/) sets the true bytes per token, so it sizes the pool.
         self.kv_spec = spec_from_config(self.model, self.dtype, cache_cfg)
         self.kv_bytes_per_token = self.kv_spec.bytes_per_token
@@ -149,8 +151,7 @@ class Engine:
                                   model_cfg.attention_backend, self.kv_spec,
                                   config.scheduler_config.max_num_seqs)
         # Bytes each step reads against the measured copy bandwidth (docs/observability.md#bandwidth).
-        self.bandwidth = BandwidthMeter(weight_profile(self.model), self.kv_bytes_per_token,
-                                        *measure_copy_bandwidth(str(self.device)))
+        self.bandwidth = BandwidthMeter(weight_profile(self.model), self.kv_bytes_per_token, *peak_bandwidth)
         self.preemption_cost: Optional[PreemptionCost] = None
         self.host_pressure: Optional[PressureMonitor] = None
         self.host_sizer: Optional[HostTierSizer] = None

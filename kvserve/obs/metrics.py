@@ -215,13 +215,22 @@ def _tenant_usage_metrics(usage: dict[Optional[str], TenantUsage], label_of: "Te
     yield from (requests, prompt, cached, generation)
 
 
+def _cumulative(per_bucket: Iterable[tuple[float, int]]) -> list[tuple[str, int]]:
+    """(upper bound, count in that bucket alone) pairs as a Prometheus histogram's cumulative buckets."""
+    cumulative, buckets = 0, []
+    for bound, count in per_bucket:
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    return buckets
+
+
 def _bandwidth_metrics(bw: BandwidthStats, labels: list[str], values: list[str]) -> Iterable[Metric]:
     """Memory bandwidth per step (kvserve/worker/bandwidth.py): weights + KV read over the step's time,
     as a fraction of the copy bandwidth measured at start."""
     gauge = GaugeMetricFamily(f"{NAMESPACE}:hbm_bandwidth_utilization", "Bytes the engine's steps of the last "
                               "second read (weights + KV) over their time, as a fraction of the measured copy "
                               "bandwidth (memory_bandwidth_peak_bytes_per_second).", labels=labels)
-    gauge.add_metric(values, bw.last_utilization)
+    gauge.add_metric(values, bw.recent_utilization)
     yield gauge
     peak = GaugeMetricFamily(f"{NAMESPACE}:memory_bandwidth_peak_bytes_per_second", "Copy bandwidth of the engine's "
                              "device (read + write), measured once at start.", labels=labels + ["how"])
@@ -230,11 +239,7 @@ def _bandwidth_metrics(bw: BandwidthStats, labels: list[str], values: list[str])
     histogram = HistogramMetricFamily(f"{NAMESPACE}:hbm_bandwidth_utilization_per_step", "Each engine step's bytes "
                                       "read over its time, as a fraction of the measured copy bandwidth.",
                                       labels=labels)
-    cumulative, buckets = 0, []
-    for bound, count in bw.utilization_buckets:
-        cumulative += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-    histogram.add_metric(values, buckets, sum_value=bw.utilization_sum)
+    histogram.add_metric(values, _cumulative(bw.utilization_buckets), sum_value=bw.utilization_sum)
     yield histogram
     read = CounterMetricFamily(f"{NAMESPACE}:step_bytes_read", "Bytes the engine's steps read: the weights each "
                                "forward reads (by their stored dtype; a MoE layer's routed experts) plus the KV "
@@ -438,11 +443,7 @@ class _EngineStateCollector:
                 loads = HistogramMetricFamily(f"{NAMESPACE}:kv_host_load_seconds", "Time of each load or swap-in from "
                                               "the host tier (on a GPU, between CUDA events of the copy).",
                                               labels=labels)
-                cumulative, buckets = 0, []
-                for bound, count in transfers.load_buckets:
-                    cumulative += count
-                    buckets.append((repr(bound), cumulative))
-                buckets.append(("+Inf", transfers.loads))
+                buckets = _cumulative(transfers.load_buckets) + [("+Inf", transfers.loads)]
                 loads.add_metric(values, buckets, transfers.load_seconds)
                 yield loads
                 yield counter("kv_host_copy_failures", "Copies to or from the host tier that failed (a load "

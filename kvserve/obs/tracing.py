@@ -50,16 +50,17 @@ class RequestTracer:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        url = traces_url(endpoint)
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=10)
+            exporter = OTLPSpanExporter(endpoint=url, timeout=10)
         self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
         # Within a second of a request's end, its trace is out (the SDK's default waits five).
         self.provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS))
         self.tracer = self.provider.get_tracer("kvserve")
         self.propagator = TraceContextTextMapPropagator()
         self.model_name = model_name
-        logger.info("tracing requests to %s (OTLP/HTTP)", traces_url(endpoint))
+        logger.info("tracing requests to %s (OTLP/HTTP)", url)
 
     def start(self, headers: Mapping[str, str], request_id: str, arrival_time: float,
               attributes: dict[str, Any]) -> "RequestTrace":

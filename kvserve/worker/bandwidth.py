@@ -58,6 +58,8 @@ def measure_copy_bandwidth(device: str) -> tuple[float, str]:
             dst.copy_(src)
             best = min(best, time.perf_counter() - started)
     del src, dst
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()     # the KV cache is sized from the memory left free after this
     how = f"{dev.type} copy {nbytes >> 20} MiB, read + write"
     return 2 * nbytes / best, how
 
@@ -160,6 +162,6 @@ class BandwidthMeter:
             peak_bytes_per_s=self.peak_bytes_per_s, peak_source=self.peak_source, steps=self.steps,
             bytes_read_total=self.bytes_read_total, weight_bytes_per_step=self.weights.bytes_for_tokens(1),
             last_bytes_read=self.last_bytes, last_step_s=self.last_seconds,
-            last_utilization=self.recent_utilization(),
+            recent_utilization=self.recent_utilization(),
             utilization_buckets=tuple(zip(UTILIZATION_BUCKETS, self._bucket_counts)),
             utilization_sum=self._utilization_sum, seconds_total=self.seconds_total)

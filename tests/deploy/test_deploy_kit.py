@@ -48,7 +48,7 @@ def histogram_names() -> set[str]:
                               copy_failures=1)
     bandwidth = BandwidthStats(peak_bytes_per_s=1e10, peak_source="test", steps=3, bytes_read_total=3000,
                                weight_bytes_per_step=900, last_bytes_read=1000, last_step_s=0.001,
-                               last_utilization=0.1, utilization_buckets=((0.1, 3), (float("inf"), 0)))
+                               recent_utilization=0.1, utilization_buckets=((0.1, 3), (float("inf"), 0)))
     stats = EngineStats(SchedulerStats(2, 1, 3), KVCacheStats(100, 60, 0.4, 1600, host, transfers), 50, 20,
                         {"stop": 4}, bandwidth=bandwidth)
     snapshot = EngineSnapshot.from_stats(stats, num_steps=9, num_step_errors=0, rejected_by_gate=0)

@@ -292,7 +292,7 @@
     perSecond("eviction-rate", sum("evict:"));
     perSecond("load-rate", sum("host_loaded") + sum("cold_read:"));
     const bw = engine.bandwidth;
-    $("bandwidth-tile").textContent = bw ? pct(bw.last_utilization) : "–";
+    $("bandwidth-tile").textContent = bw ? pct(bw.recent_utilization) : "–";
   }
   function renderTiers(map) {
     const container = $("tiers");
@@ -519,7 +519,7 @@
   }
   function renderBandwidth(engine) {
     const bw = engine.bandwidth;
-    const rows = bw ? [["last step", num(pct(bw.last_utilization))],
+    const rows = bw ? [["last second", num(pct(bw.recent_utilization))],
                        ["mean over steps", num(bw.steps ? pct(bw.utilization_sum / bw.steps) : "–")],
                        ["last step read", num(bytes(bw.last_bytes_read) + ` in ${(bw.last_step_s * 1000).toFixed(2)} ms`)],
                        ["peak", num(`${(bw.peak_bytes_per_s / 1e9).toFixed(1)} GB/s`)], ["measured by", bw.peak_source],
