@@ -39,6 +39,30 @@ def _patch_triton_interpreter() -> None:
 _patch_triton_interpreter()
 
 
+def _bound_cuda_footprint() -> None:
+    """On the GPU machine, an engine left to its defaults takes 0.9 of the free GPU memory for KV and
+    pins up to 32 GiB of host RAM for the host tier; pinning that much costs seconds per engine, and
+    the suite builds hundreds, several at once under pytest-xdist. The suite's engines keep the
+    defaults' logic with a smaller cap (1 GiB of host tier) and, under xdist, a share of the GPU per
+    worker. Engines in subprocesses (the server-process tests) keep the product's defaults."""
+    if TEST_DEVICE != "cuda":
+        return
+    from kvserve.engine import engine as engine_module
+    from kvserve.worker import memory_profile
+    memory_profile.DEFAULT_HOST_TIER_MAX_BYTES = 1 << 30
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        product_budget = memory_profile.cuda_kv_budget
+
+        def shared_budget(*args, **kwargs):
+            *head, utilization = args
+            return product_budget(*head, utilization / workers, **kwargs)
+        engine_module.cuda_kv_budget = shared_budget
+
+
+_bound_cuda_footprint()
+
+
 def default_model_available() -> bool:
     from kvserve.model.loader import ModelLoadError, default_model_path
     try:

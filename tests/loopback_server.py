@@ -26,6 +26,17 @@ def build_tiny_chat_model(folder, max_position_embeddings: int) -> str:
     return str(folder)
 
 
+# On the GPU machine the product's default host tier pins up to 32 GiB per engine (seconds to pin,
+# and several servers start at once under pytest-xdist); the suite's servers bound it, as conftest.py
+# bounds its in-process engines. A test that sets kv_host_memory keeps its own value.
+CUDA_TEST_HOST_TIER_BYTES = 1 << 30
+
+
+def _on_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 class LoopbackServer:
     """uvicorn in a thread on a free loopback port under the model name "tiny", serving either
     `engine` (an Engine on an AsyncEngine thread of this process) or, given `engine_options`, an
@@ -45,6 +56,8 @@ class LoopbackServer:
         self.core = None
         config = ServerConfig(**server_options)
         if engine_options is not None:
+            if _on_cuda():
+                engine_options = {"kv_host_memory": CUDA_TEST_HOST_TIER_BYTES, **engine_options}
             from kvserve.engine.core_client import CoreClient
             from kvserve.model.loader import resolve_model
             from kvserve.server.launcher import start_engine_core
@@ -103,6 +116,8 @@ class ServeProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if _on_cuda() and not any(arg.startswith("--kv-host-memory") for arg in serve_args):
+            serve_args = [*serve_args, "--kv-host-memory", str(CUDA_TEST_HOST_TIER_BYTES)]
         self.process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "--log-level", log_level, "serve",
                                          "--port", str(self.port),
                                          *serve_args], stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -138,7 +138,9 @@ def test_registry_imports_and_runs_references_without_triton():
         "    c.kernel()\n"
         "except ImportError:\n"
         "    print('lazy')\n")
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(registry.__file__).resolve().parents[2])}
+    # The checkout goes first; what PYTHONPATH already holds (a machine's own site folder) stays.
+    checkout = str(pathlib.Path(registry.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "lazy"

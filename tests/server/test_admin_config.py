@@ -30,7 +30,8 @@ def folder(tmp_path_factory):
 def server(request, folder, tmp_path_factory):
     files = tmp_path_factory.mktemp("admin-config")
     (files / "keys.json").write_text(json.dumps(KEYS))
-    options = dict(model=folder, max_model_len=1024, kv_cache_memory=8 << 20)
+    # The host tier off on every device (on CUDA it is on by default): a refused resize is tested below.
+    options = dict(model=folder, max_model_len=1024, kv_cache_memory=8 << 20, kv_host_memory=0)
     server_options = dict(api_keys_file=str(files / "keys.json"), admin_api_key=ADMIN)
     if request.param == "core-process":
         server = LoopbackServer(engine_options=options, **server_options)

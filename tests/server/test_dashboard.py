@@ -34,7 +34,8 @@ def folder(tmp_path_factory):
 def server(request, folder, tmp_path_factory):
     files = tmp_path_factory.mktemp("dashboard-keys")
     (files / "keys.json").write_text(json.dumps(KEYS))
-    options = dict(model=folder, max_model_len=4096, kv_cache_memory=4 << 20, block_size=16)
+    options = dict(model=folder, max_model_len=4096, kv_cache_memory=4 << 20, block_size=16,
+                   kv_host_memory=0)   # one tier on every device (on CUDA the host tier is on by default)
     server_options = dict(api_keys_file=str(files / "keys.json"), admin_api_key=ADMIN)
     if request.param == "core-process":
         server = LoopbackServer(engine_options=options, **server_options)
