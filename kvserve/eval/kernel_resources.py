@@ -111,8 +111,9 @@ def quant_decode(fmt: str, tile: int, num_warps: int, ids_ahead: bool, max_regis
     import triton.language as tl
 
     from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS
-    from kvserve.kernels.triton.decode_attention_quant import (BF16_QUERY_PRESCALE, FORMAT_CODES,
-                                                               _decode_split_quant_kernel)
+    from kvserve.kernels.triton.code_conversion import BF16_QUERY_PRESCALE
+    from kvserve.kernels.triton.decode_attention_quant import _decode_split_quant_kernel
+    from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
     code = FORMAT_CODES[fmt]
     head_dim, kv_heads, block_size = 128, 4, 16
     width = head_dim // 2 if fmt == "int4" else head_dim
