@@ -21,6 +21,7 @@ from torch import nn
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kernels import cpu as cpu_kernels
 from kvserve.kernels.cpu import hugepages
+from kvserve.kernels.cpu.weight_formats import BF16_PANELS, FP32_PANELS
 from kvserve.kvstore import KVCacheStore
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,6 @@ class NativeCpuForward:
             hidden_size=model.config.hidden_size, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
             head_dim=attn0.head_dim, intermediate_size=model.layers[0].mlp.intermediate_size,
             num_layers=len(model.layers), block_size=k0.shape[1], rms_eps=model.norm.eps, attn_scale=attn0.scale,
-            weight_bf16=int(attn0.qkv_proj.packed_weight.dtype == torch.bfloat16),
             kv_bf16=int(k0.dtype == torch.bfloat16))
         layers = (cpu_kernels.LayerPointers * len(model.layers))()
         for entry, layer, (k_cache, v_cache) in zip(layers, model.layers, kv_store):
@@ -117,6 +117,8 @@ class NativeCpuForward:
             for prefix, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                    ("down", mlp.down_proj)):
                 setattr(entry, f"{prefix}_w", linear.packed_weight.data_ptr())
+                setattr(entry, f"{prefix}_fmt", BF16_PANELS if linear.packed_weight.dtype == torch.bfloat16
+                        else FP32_PANELS)
                 setattr(entry, f"{prefix}_b", _pointer(linear.bias))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._prepared = (dims, layers, model.norm.native_weight, kv_store)

@@ -31,7 +31,8 @@ from kvserve import envs
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("llama_forward.c")
+# One library from both files: the forward (llama_forward.c) calls the GGUF-block GEMM (quant_gemm.c).
+_SOURCES = (Path(__file__).with_name("llama_forward.c"), Path(__file__).with_name("quant_gemm.c"))
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c11"]
 _OPENMP = ["-fopenmp"]
 PANEL = 16
@@ -46,13 +47,13 @@ _i32 = ctypes.c_int32
 class ModelDims(ctypes.Structure):
     _fields_ = [("hidden_size", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate_size", _i64), ("num_layers", _i64), ("block_size", _i64),
-                ("rms_eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("weight_bf16", _i32), ("kv_bf16", _i32)]
+                ("rms_eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("kv_bf16", _i32)]
 
 
 class LayerPointers(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
-                                        "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")]
+    _fields_ = ([(name, _p) for name in ("input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w",
+                                         "gate_up_b", "down_w", "down_b", "k_cache", "v_cache")]
+                + [(name, _i32) for name in ("qkv_fmt", "o_fmt", "gate_up_fmt", "down_fmt")])
 
 
 def _cache_dir() -> Path:
@@ -60,7 +61,7 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str, flags: list[str]) -> Path | None:
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"llama_forward_{digest}.so"
     if target.exists():
@@ -68,7 +69,7 @@ def _build(compiler: str, flags: list[str]) -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the CPU kernels with %s failed:\n%s", " ".join(flags), result.stderr[-2000:])
             return None
@@ -88,7 +89,13 @@ def _library() -> ctypes.CDLL | None:
     target = _build(compiler, _FLAGS + _OPENMP) or _build(compiler, _FLAGS)
     if target is None:
         return None
-    library = ctypes.CDLL(str(target))
+    library = _bind(ctypes.CDLL(str(target)))
+    logger.info("native CPU kernels: %s; GGUF-block dot products: %s", target.name,
+                library.kvs_quant_isa().decode())
+    return library
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.kvs_linear.restype = None
     library.kvs_linear.argtypes = [_p, _i64, _i64, _p, _i32, _p, _p, _i64, _i32]
     library.kvs_paged_attention.restype = None
@@ -105,6 +112,14 @@ def _library() -> ctypes.CDLL | None:
     library.kvs_llama_forward.restype = ctypes.c_int
     library.kvs_llama_forward.argtypes = ([ctypes.POINTER(ModelDims), ctypes.POINTER(LayerPointers), _p, _p, _p, _i64]
                                           + [_p] * 6 + [_i64, _p, _i64])
+    library.kvs_quant_linear.restype = ctypes.c_int
+    library.kvs_quant_linear.argtypes = [_p, _i64, _i64, _p, _i32, _p, _p, _i64, _i32]
+    library.kvs_quant_isa.restype = ctypes.c_char_p
+    library.kvs_quant_isa.argtypes = []
+    library.kvs_quant_packed_bytes.restype = _i64
+    library.kvs_quant_packed_bytes.argtypes = [_i32, _i64, _i64]
+    library.kvs_quant_repack.restype = ctypes.c_int
+    library.kvs_quant_repack.argtypes = [_p, _i32, _i64, _i64, _p]
     return library
 
 
@@ -160,6 +175,64 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     library().kvs_linear(x.data_ptr(), rows, in_features, packed.data_ptr(), int(packed.dtype == torch.bfloat16),
                          None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, int(accumulate))
     return out
+
+
+def quant_isa() -> str | None:
+    """Which instructions the GGUF-block dot products use here (avx512-vnni, avx-vnni, avx2, scalar)."""
+    return library().kvs_quant_isa().decode() if available() else None
+
+
+def repack_blocks(blocks: torch.Tensor, fmt: int, in_features: int, lib: ctypes.CDLL | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """GGUF blocks uint8 [N, bytes per row] of format code `fmt` (weight_formats.py) -> the layout
+    quant_gemm.c streams (rows interleaved by 8: see its header), uint8 1-D; into `out` when given."""
+    lib = lib or library()
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError("GGUF blocks come as a uint8 [rows, bytes per row] tensor")
+    blocks = blocks.contiguous()
+    size = lib.kvs_quant_packed_bytes(fmt, blocks.shape[0], in_features)
+    if size < 0:
+        raise ValueError(f"weight format {fmt} with {in_features} input features has no quantized kernel")
+    if out is None:
+        out = torch.empty(size, dtype=torch.uint8)
+    elif out.shape != (size,) or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous uint8 tensor of {size} bytes")
+    lib.kvs_quant_repack(blocks.data_ptr(), fmt, blocks.shape[0], in_features, out.data_ptr())
+    return out
+
+
+def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, out_features: int,
+                 bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 accumulate: bool = False, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32 with W in repack_blocks's layout (format code
+    `fmt`); with `accumulate`, adds into `out`. `lib`: another build of the kernels (the tests' scalar one)."""
+    lib = lib or library()
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError("the quantized linear takes a 2-D fp32 input")
+    x = x.contiguous()
+    rows, in_features = x.shape
+    if packed.dtype != torch.uint8 or packed.shape != (lib.kvs_quant_packed_bytes(fmt, out_features, in_features),):
+        raise ValueError(f"packed weight does not hold format {fmt} for [{out_features}, {in_features}]")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs an output to add into")
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+    elif out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("the output must be a contiguous fp32 [M, N] tensor")
+    status = lib.kvs_quant_linear(x.data_ptr(), rows, in_features, packed.data_ptr(), fmt,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                                  int(accumulate))
+    if status != 0:
+        raise MemoryError("quantized linear: no memory for the quantized activations")
+    return out
+
+
+def build_variant(flags: list[str]) -> ctypes.CDLL | None:
+    """The kernels built with other compiler flags (e.g. without -march=native: the scalar fallback),
+    loaded beside the main build; None when it does not build."""
+    compiler = envs.CC.get() or shutil.which("cc") or shutil.which("gcc")
+    target = (_build(compiler, flags + _OPENMP) or _build(compiler, flags)) if compiler else None
+    return None if target is None else _bind(ctypes.CDLL(str(target)))
 
 
 # --- paged attention ---------------------------------------------------------------------------------

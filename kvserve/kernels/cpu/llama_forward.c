@@ -709,7 +709,7 @@ static void silu_and_mul(const float *gate_up, float *act, int64_t T, int64_t I)
 typedef struct {
     int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, num_layers, block_size;
     float rms_eps, attn_scale;
-    int32_t weight_bf16, kv_bf16;
+    int32_t kv_bf16;
 } kvs_dims;
 
 typedef struct {
@@ -723,7 +723,22 @@ typedef struct {
     const void *down_w;
     const float *down_b;
     void *k_cache, *v_cache;
+    /* Each weight's format: 0 fp32 panels, 1 bf16 panels, 2-4 GGUF blocks (quant_gemm.c). */
+    int32_t qkv_fmt, o_fmt, gate_up_fmt, down_fmt;
 } kvs_layer;
+
+int kvs_quant_linear(const float *x, int64_t M, int64_t K, const void *w, int32_t fmt, const float *bias, float *y,
+                     int64_t N, int32_t accumulate);
+
+/* One linear layer in whichever format its weight is kept. */
+static int linear_any(const float *x, int64_t M, int64_t K, const void *w, int32_t fmt, const float *bias, float *y,
+                      int64_t N, int32_t accumulate) {
+    if (fmt <= 1) {
+        kvs_linear(x, M, K, w, fmt, bias, y, N, accumulate);
+        return 0;
+    }
+    return kvs_quant_linear(x, M, K, w, fmt, bias, y, N, accumulate);
+}
 
 /* Tokens a layer processes at a time. A 2048-token prefill step's gate_up output alone is 25 MB
  * (T x 2 x intermediate floats), so a whole-step layer streamed its activations through DRAM between
@@ -756,26 +771,27 @@ int kvs_llama_forward(const kvs_dims *d, const kvs_layer *layers, const float *f
     const int64_t rows = T < FORWARD_CHUNK ? T : FORWARD_CHUNK;
     float *x = work, *qkv = x + rows * H, *attn = qkv + rows * qkv_width, *gate_up = attn + rows * q_width;
     float *act = gate_up + rows * 2 * I, *scratch = act + rows * I;
-    const int wb = d->weight_bf16;
+    int failed = 0;
     for (int64_t l = 0; l < d->num_layers; l++) {
         const kvs_layer *L = layers + l;
         for (int64_t t0 = 0; t0 < T; t0 += FORWARD_CHUNK) {
             const int64_t n = T - t0 < FORWARD_CHUNK ? T - t0 : FORWARD_CHUNK;
             float *r = resid + t0 * H;
             rms_norm(r, x, n, H, L->input_norm, d->rms_eps);
-            kvs_linear(x, n, H, L->qkv_w, wb, L->qkv_b, qkv, qkv_width, 0);
+            failed |= linear_any(x, n, H, L->qkv_w, L->qkv_fmt, L->qkv_b, qkv, qkv_width, 0);
             rotary_and_store(qkv, n, d->num_heads, d->num_kv_heads, D, cos_t + t0 * D, sin_t + t0 * D,
                              slot_mapping + t0, L->k_cache, L->v_cache, d->kv_bf16);
             kvs_paged_attention(qkv, qkv_width, attn, q_width, n, L->k_cache, L->v_cache, d->kv_bf16, block_tables,
                                 max_blocks, token_seqs + t0, context_lens + t0, d->num_heads, d->num_kv_heads, D,
                                 d->block_size, d->attn_scale, scratch, per_thread);
-            kvs_linear(attn, n, q_width, L->o_w, wb, L->o_b, r, H, 1);         /* resid += o_proj */
+            failed |= linear_any(attn, n, q_width, L->o_w, L->o_fmt, L->o_b, r, H, 1);       /* resid += o_proj */
             rms_norm(r, x, n, H, L->post_norm, d->rms_eps);
-            kvs_linear(x, n, H, L->gate_up_w, wb, L->gate_up_b, gate_up, 2 * I, 0);
+            failed |= linear_any(x, n, H, L->gate_up_w, L->gate_up_fmt, L->gate_up_b, gate_up, 2 * I, 0);
             silu_and_mul(gate_up, act, n, I);
-            kvs_linear(act, n, I, L->down_w, wb, L->down_b, r, H, 1);         /* resid += down_proj */
+            failed |= linear_any(act, n, I, L->down_w, L->down_fmt, L->down_b, r, H, 1);       /* resid += down_proj */
         }
     }
+    if (failed) return -2;
     rms_norm(resid, out, T, H, final_norm, d->rms_eps);
     return 0;
 }

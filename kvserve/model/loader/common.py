@@ -21,10 +21,26 @@ class ModelLoadError(Exception):
     """The model could not be found or read; the message names the path and the problem."""
 
 
+@dataclass
+class QuantizedWeight:
+    """A 2-D weight kept in its checkpoint's quantized blocks (a GGUF tensor of a type the CPU kernels
+    read): `blocks` is uint8 [out_features, bytes per row], rows in the order of the HF weight's rows."""
+    ggml_type: str       # "Q4_1", ...: kvserve/kernels/cpu/weight_formats.py
+    blocks: torch.Tensor
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out_features, in_features] (gguf's own dequantizer)."""
+        import gguf
+        values = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType[self.ggml_type])
+        return torch.from_numpy(values.astype("float32", copy=False).reshape(self.shape).copy())
+
+
 class CheckpointReader(Protocol):
     """What a checkpoint format gives a `ModelSource`: its tensors and its tokenizer."""
 
-    def iter_weights(self, hf_config: transformers.PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def iter_weights(self, hf_config: transformers.PretrainedConfig,
+                     keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]: ...
 
@@ -43,18 +59,20 @@ class ModelSource:
     def is_gguf(self) -> bool:
         return self.checkpoint_format == "gguf"
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, keep_quantized: frozenset[str] = frozenset()
+                     ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Yield ``(hf_parameter_name, cpu_tensor)`` one tensor at a time.
 
         Safetensors tensors come in the checkpoint's dtype; GGUF tensors in float32 when quantized (else their
-        float dtype). A tied ``lm_head.weight`` is not yielded (``hf_config.tie_word_embeddings`` says so).
+        float dtype), except 2-D GGUF tensors of a type in ``keep_quantized``, which come as `QuantizedWeight`.
+        A tied ``lm_head.weight`` is not yielded (``hf_config.tie_word_embeddings`` says so).
         """
         if self.load_format == "dummy":
             raise ModelLoadError(
                 f"{self.path}: load_format='dummy' has no weights to read (the model is initialised with random "
                 f"weights); use load_format='auto' to read the checkpoint")
         assert self._reader is not None
-        return self._reader.iter_weights(self.hf_config)
+        return self._reader.iter_weights(self.hf_config, keep_quantized)
 
     def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]:
         """The model's tokenizer (with its chat template); None for a folder without tokenizer files,

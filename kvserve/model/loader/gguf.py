@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import transformers
 
-from kvserve.model.loader.common import ModelLoadError, ModelSource, kvserve_cache_dir
+from kvserve.model.loader.common import ModelLoadError, ModelSource, QuantizedWeight, kvserve_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,19 @@ class GGUFFile:
         return None
 
     # ---- weights ----
-    def iter_weights(self, config: transformers.PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantized_types(self) -> dict[str, int]:
+        """GGML type name -> how many 2-D tensors of the file are stored in it (F32/F16/BF16 included)."""
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            if len(t.shape) >= 2:
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return counts
+
+    def iter_weights(self, config: transformers.PretrainedConfig, keep_quantized: frozenset[str] = frozenset()
+                     ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+        """Tensors under HF names; a 2-D tensor whose GGML type is in `keep_quantized` stays in its
+        blocks (a QuantizedWeight: its rows are the HF weight's rows, so the rotary un-permutation
+        below moves whole rows of blocks just as it moves rows of values)."""
         import gguf
         permute = self.arch == "llama"
         for t in self.reader.tensors:
@@ -276,7 +288,10 @@ class GGUFFile:
                 raise ModelLoadError(f"{self.path}: unknown GGUF tensor {t.name!r}")
             shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
             try:
-                if t.tensor_type == gguf.GGMLQuantizationType.F16:
+                if t.tensor_type.name in keep_quantized and len(shape) == 2:
+                    rows = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)
+                    tensor = QuantizedWeight(t.tensor_type.name, torch.from_numpy(rows.copy()), shape)
+                elif t.tensor_type == gguf.GGMLQuantizationType.F16:
                     arr = np.asarray(t.data).view(np.float16)
                     tensor = torch.from_numpy(arr.reshape(shape).copy())
                 elif t.tensor_type == gguf.GGMLQuantizationType.BF16:
@@ -295,10 +310,14 @@ class GGUFFile:
                     f"{self.path}: cannot read GGUF tensor {t.name!r} ({t.tensor_type.name}, ggml shape "
                     f"{list(int(x) for x in t.shape)}): {type(e).__name__}: {e}") from e
             if permute:
-                if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-                    tensor = _unpermute_rotary(tensor, config.num_attention_heads)
-                elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-                    tensor = _unpermute_rotary(tensor, config.num_key_value_heads)
+                heads = (config.num_attention_heads if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias"))
+                         else config.num_key_value_heads if name.endswith(("self_attn.k_proj.weight",
+                                                                           "self_attn.k_proj.bias"))
+                         else None)
+                if heads is not None and isinstance(tensor, QuantizedWeight):
+                    tensor.blocks = _unpermute_rotary(tensor.blocks, heads)
+                elif heads is not None:
+                    tensor = _unpermute_rotary(tensor, heads)
             yield name, tensor
 
     # ---- tokenizer ----

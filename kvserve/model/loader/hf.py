@@ -38,8 +38,9 @@ class SafetensorsFolder:
         self.path = path
         self.weight_files = weight_files
 
-    def iter_weights(self, hf_config: transformers.PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_safetensors(self.weight_files)
+    def iter_weights(self, hf_config: transformers.PretrainedConfig,
+                     keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(self.weight_files)   # no GGUF blocks in a folder: nothing to keep
 
     def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]:
         if not any(os.path.isfile(os.path.join(self.path, f)) for f in _TOKENIZER_FILES):
