@@ -44,7 +44,8 @@ if [[ $what == *" tests "* ]]; then   # the whole suite on CUDA: kernel files an
     2) rest="$second" ;;
     *) rest="tests" ;;
   esac
-  timeout 540 python3 -m pytest -q -rfEs -p no:cacheprovider $rest $(printf -- '--ignore=%s ' $kernels $deepseek) \
+  # -v: a run the call's limit cuts off still names each test's outcome (the summary comes only at the end).
+  timeout 540 python3 -m pytest -v -rfEs -p no:cacheprovider $rest $(printf -- '--ignore=%s ' $kernels $deepseek) \
     ${PYTEST_EXTRA:-} > "$OUT/gpu_tests_rest.log" 2>&1 &
   wait
   for log in "$OUT"/gpu_tests_*.log; do echo "== $log"; tail -3 "$log"; done

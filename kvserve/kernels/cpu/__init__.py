@@ -157,6 +157,17 @@ def pack_weight(weight: torch.Tensor, bf16: bool, out: torch.Tensor | None = Non
     return out.copy_(packed)
 
 
+def _linear_output(rows: int, out_features: int, out: torch.Tensor | None, accumulate: bool) -> torch.Tensor:
+    """The [rows, out_features] fp32 result of a linear: `out` checked, or a new one."""
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs an output to add into")
+        return torch.empty(rows, out_features, dtype=torch.float32)
+    if out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("the output must be a contiguous fp32 [M, N] tensor")
+    return out
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
     """x [M, K] fp32 @ W^T (+ bias) -> [M, N] fp32; with `accumulate`, adds into `out` instead."""
@@ -166,12 +177,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     rows, in_features = x.shape
     if packed.shape[1] != in_features:
         raise ValueError(f"input has {in_features} features, the weight {packed.shape[1]}")
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate needs an output to add into")
-        out = torch.empty(rows, out_features, dtype=torch.float32)
-    elif out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError("the output must be a contiguous fp32 [M, N] tensor")
+    out = _linear_output(rows, out_features, out, accumulate)
     library().kvs_linear(x.data_ptr(), rows, in_features, packed.data_ptr(), int(packed.dtype == torch.bfloat16),
                          None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, int(accumulate))
     return out
@@ -213,12 +219,7 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, fmt: int, out_features: 
     rows, in_features = x.shape
     if packed.dtype != torch.uint8 or packed.shape != (lib.kvs_quant_packed_bytes(fmt, out_features, in_features),):
         raise ValueError(f"packed weight does not hold format {fmt} for [{out_features}, {in_features}]")
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate needs an output to add into")
-        out = torch.empty(rows, out_features, dtype=torch.float32)
-    elif out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError("the output must be a contiguous fp32 [M, N] tensor")
+    out = _linear_output(rows, out_features, out, accumulate)
     status = lib.kvs_quant_linear(x.data_ptr(), rows, in_features, packed.data_ptr(), fmt,
                                   None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                                   int(accumulate))
