@@ -144,8 +144,10 @@ class NativeCpuForward:
             ctypes.byref(dims), layers, final_norm.data_ptr(), residual.data_ptr(), out.data_ptr(), num_tokens,
             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), token_seqs.data_ptr(), context_lens.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], self._workspace.data_ptr(), self._workspace.numel())
-        if status != 0:
+        if status == -1:
             raise RuntimeError("native CPU forward: workspace too small")   # a bug: sized just above
+        if status != 0:
+            raise MemoryError("native CPU forward: no memory for a quantized linear's int8 activations")
         return out
 
 

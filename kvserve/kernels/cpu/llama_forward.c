@@ -12,6 +12,7 @@
  *   activations fp32 [T, features]; the residual stream stays fp32 whatever the weight dtype.
  *   packed weight: panels of 16 output features, [ceil(N/16), K, 16], fp32 or bf16 (bf16 panels store
  *     their 16 columns in the order PANEL_ORDER so that two unpack instructions widen them in order).
+ *   or GGUF blocks (Q8_0 / Q4_0 / Q4_1) repacked by quant_gemm.c: each weight carries its format code.
  *   KV cache per layer: [num_blocks, block_size, kv_heads, head_dim], fp32 or bf16 (NHD).
  *   attention works per query token: its sequence row in block_tables and its context length
  *   (position + 1), so one loop serves decodes, chunked prefills and whole prompts alike.

@@ -14,17 +14,12 @@ BF16_PANELS = 1
 
 @dataclass(frozen=True)
 class BlockFormat:
-    name: str            # the GGML type name, as gguf.GGMLQuantizationType spells it
-    code: int            # the C kernels' format code
-    block_elements: int  # weights per block (along the input features)
-    block_bytes: int     # bytes per block: scales and quants
-
-    def row_bytes(self, in_features: int) -> int:
-        return in_features // self.block_elements * self.block_bytes
+    name: str   # the GGML type name, as gguf.GGMLQuantizationType spells it
+    code: int   # the C kernels' format code (block sizes and layouts live in quant_gemm.c)
 
 
 GGUF_BLOCK_FORMATS: dict[str, BlockFormat] = {
-    "Q8_0": BlockFormat("Q8_0", 2, 32, 34),
-    "Q4_0": BlockFormat("Q4_0", 3, 32, 18),
-    "Q4_1": BlockFormat("Q4_1", 4, 32, 20),
+    "Q8_0": BlockFormat("Q8_0", 2),
+    "Q4_0": BlockFormat("Q4_0", 3),
+    "Q4_1": BlockFormat("Q4_1", 4),
 }

@@ -265,14 +265,6 @@ class GGUFFile:
         return None
 
     # ---- weights ----
-    def quantized_types(self) -> dict[str, int]:
-        """GGML type name -> how many 2-D tensors of the file are stored in it (F32/F16/BF16 included)."""
-        counts: dict[str, int] = {}
-        for t in self.reader.tensors:
-            if len(t.shape) >= 2:
-                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-        return counts
-
     def iter_weights(self, config: transformers.PretrainedConfig, keep_quantized: frozenset[str] = frozenset()
                      ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Tensors under HF names; a 2-D tensor whose GGML type is in `keep_quantized` stays in its
