@@ -147,6 +147,10 @@ class ModelConfig:
                                    "instead of cuBLAS; 0: always cuBLAS (at most 16)", **bounds(ge=0, le=16))
     fused_ops: bool = _opt(True, "CUDA: run RMSNorm (+ residual add), rotary and SiLU*mul as fused Triton kernels; "
                                  "--no-fused-ops runs them as torch ops (to compare the two paths)")
+    quantization: str = _opt("auto", "weights in fewer bytes: gguf keeps a .gguf file's Q8_0/Q4_0/Q4_1 blocks in "
+                                     "memory and multiplies by them on the CPU (Q4_K as Q4_1, Q5_K/Q6_K as Q8_0); none dequantizes every weight at "
+                                     "load; auto: gguf for a .gguf file on CPU (other block types dequantized), "
+                                     "none otherwise", choices=("auto", "none", "gguf"))
     moe_implementation: str = _opt("auto", "MoE experts (DeepSeek): grouped (all experts in grouped GEMMs), loop "
                                            "(one GEMM pair per expert), auto (grouped on CUDA bf16 sm90+, else loop)",
                                    choices=("auto", "grouped", "loop"))

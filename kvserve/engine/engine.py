@@ -42,7 +42,8 @@ from kvserve.kvstore import HOST_STORE, KVCacheStore
 from kvserve.kvcache.prefix_cache import PrefixCache, build_prefix_cache
 from kvserve.kvcache.prefix_control import PinInfo, PrefixControl
 from kvserve.model.loader.generation_config import eos_token_ids as generation_eos_token_ids
-from kvserve.model.builder import build_model, kernel_switches, resolve_device, resolve_dtype
+from kvserve.model.quantized_linear import kept_linears
+from kvserve.model.builder import build_model, kept_weight_types, kernel_switches, resolve_device, resolve_dtype
 from kvserve.model.loader import resolve_model
 from kvserve.model.interfaces import MoEModel
 from kvserve.model.llama import LlamaForCausalLM
@@ -106,11 +107,14 @@ class Engine:
         self.tokenizer = self.source.load_tokenizer()
         started = time.perf_counter()
         self.model = build_model(self.source, self.dtype, self.device, model_cfg.load_format, model_cfg.seed,
-                                 kernel_switches(model_cfg))
+                                 kernel_switches(model_cfg),
+                                 kept_weight_types(model_cfg.quantization, self.source, self.device))
         if isinstance(self.model, MoEModel):
             self.model.set_moe_implementation(model_cfg.moe_implementation)
-        logger.info("loaded %s (%s) on %s as %s in %.1fs", self.source.path, self.source.architecture,
-                    self.device, self.dtype, time.perf_counter() - started)
+        kept = kept_linears(self.model)
+        logger.info("loaded %s (%s) on %s as %s in %.1fs%s", self.source.path, self.source.architecture,
+                    self.device, self.dtype, time.perf_counter() - started,
+                    "".join(f"; {count} linears kept in {name} blocks" for name, count in sorted(kept.items())))
 
         # The copy bandwidth each step is set against, measured before the KV cache takes the memory.
         peak_bandwidth = measure_copy_bandwidth(str(self.device))

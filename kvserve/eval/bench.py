@@ -18,6 +18,7 @@ import torch
 
 from kvserve.eval.prompts import random_prompts
 from kvserve.eval.timing import Stopwatch, median
+from kvserve.model.quantized_linear import kept_linears
 from kvserve.sampling_params import SamplingParams
 
 
@@ -155,7 +156,9 @@ class _DecodeMark:
         seconds = watch.started + watch.seconds - self.started
         engine_bytes, engine_seconds = meter.bytes_read_total - self.bytes_read, meter.seconds_total - self.seconds
         decode_steps = output_len - 1
-        weights = analytic_weight_bytes(engine.source.hf_config, engine.dtype)
+        # Weights kept in GGUF blocks: their real bytes (the engine's count), not the dtype's.
+        weights = (meter.weights.bytes_for_tokens(1) if kept_linears(engine.model)
+                   else analytic_weight_bytes(engine.source.hf_config, engine.dtype))
         report = {"peak_bytes_per_s": meter.peak_bytes_per_s, "peak_source": meter.peak_source,
                   "decode_steps": steps - self.steps, "decode_seconds": round(seconds, 6),
                   "engine_bytes": engine_bytes, "engine_step_seconds": round(engine_seconds, 6),
@@ -209,6 +212,10 @@ def environment_info(device: torch.device) -> dict[str, Any]:
             "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        from kvserve.kernels import cpu as cpu_kernels
+        # The instructions the GGUF-block dot products run on here (kernels/cpu/quant_gemm.c).
+        info["cpu_quant_isa"] = cpu_kernels.quant_isa()
     return info
 
 

@@ -38,6 +38,7 @@ class NativeLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed_weight", cpu_kernels.pack_weight(weight, bf16, destination), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self.weight_format = BF16_PANELS if bf16 else FP32_PANELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
@@ -67,7 +68,8 @@ def unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_store: KVCacheSt
 
 def pack_model(model: nn.Module, dtype: torch.dtype) -> None:
     """Replaces the model's linears by NativeLinear (idempotent). A tied lm_head gets its own packed
-    copy; the embedding keeps its dense table for lookups."""
+    copy; the embedding keeps its dense table for lookups. QuantizedLinears (GGUF blocks) stay as they
+    are: the native forward reads their blocks."""
     bf16 = dtype == torch.bfloat16
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
@@ -116,9 +118,9 @@ class NativeCpuForward:
             entry.post_norm = layer.post_attention_layernorm.native_weight.data_ptr()
             for prefix, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                    ("down", mlp.down_proj)):
+                # A NativeLinear's panels or a QuantizedLinear's GGUF blocks (kernels/cpu/weight_formats.py).
                 setattr(entry, f"{prefix}_w", linear.packed_weight.data_ptr())
-                setattr(entry, f"{prefix}_fmt", BF16_PANELS if linear.packed_weight.dtype == torch.bfloat16
-                        else FP32_PANELS)
+                setattr(entry, f"{prefix}_fmt", linear.weight_format)
                 setattr(entry, f"{prefix}_b", _pointer(linear.bias))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._prepared = (dims, layers, model.norm.native_weight, kv_store)

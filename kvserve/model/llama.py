@@ -17,6 +17,8 @@ from kvserve.attention.metadata import AttentionMetadata
 from kvserve.kvstore import KVCacheStore, LayerKV
 from kvserve.model.layers import (Linear, RMSNorm, RotaryEmbedding, SwiGLU, UsesKernelSwitches, rotary_and_store_kv,
                                   rotate_queries_and_keys, split_qkv)
+from kvserve.model.loader.common import QuantizedWeight
+from kvserve.model.quantized_linear import QuantizedPart, install_quantized_linears
 
 
 class LlamaAttention(UsesKernelSwitches, nn.Module):
@@ -121,9 +123,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     # --- weights --------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors into the fused parameters; every parameter must be covered."""
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]) -> None:
+        """Copies HF-named tensors into the fused parameters; every parameter must be covered. A linear's
+        weight given as GGUF blocks (`QuantizedWeight`) stays in them: the linear becomes a
+        QuantizedLinear (kvserve/model/quantized_linear.py); a tied embedding's blocks serve lm_head so,
+        while the embedding's lookup table is dequantized."""
         params = dict(self.named_parameters())
+        linears = {name for name, module in self.named_modules() if isinstance(module, nn.Linear)}
+        pending: dict[str, list[QuantizedPart]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             target, rows = self._map_weight_name(name)
@@ -131,18 +138,32 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            record = target if rows is None else f"{target}[{rows.start}:{rows.stop}]"
+            if isinstance(tensor, QuantizedWeight):
+                module_name = target.removesuffix(".weight")
+                if module_name in linears:
+                    self._check_shape(name, tensor.shape, params[target], rows)
+                    pending.setdefault(module_name, []).append(QuantizedPart(rows, tensor))
+                    loaded.add(record)
+                    continue
+                if target == "embed_tokens.weight" and self.tie_word_embeddings:
+                    pending["lm_head"] = [QuantizedPart(None, tensor)]
+                tensor = tensor.dequantize()
             param = params[target]
+            self._check_shape(name, tuple(tensor.shape), param, rows)
             with torch.no_grad():
-                dest = param.data if rows is None else param.data[rows]
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
-            loaded.add(target if rows is None else f"{target}[{rows.start}:{rows.stop}]")
-        expected = self._expected_loads()
-        missing = expected - loaded
+                (param.data if rows is None else param.data[rows]).copy_(tensor)
+            loaded.add(record)
+        missing = self._expected_loads() - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        install_quantized_linears(self, pending)
+
+    @staticmethod
+    def _check_shape(name: str, shape: tuple[int, ...], param: torch.Tensor, rows: slice | None) -> None:
+        expected = tuple((param.data if rows is None else param.data[rows]).shape)
+        if tuple(shape) != expected:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, expected {expected}")
 
     def _fused_slices(self) -> dict[str, tuple[str, slice]]:
         attn = self.layers[0].self_attn

@@ -24,7 +24,9 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, dtype="float32", device="cpu", kv_cache_memory=256 << 20)
+    # quantization="none": transformers dequantizes the GGUF at load, so kvserve does too here
+    # (the blocks kept quantized are tested in test_gguf_kept_quantized.py).
+    return LLM(None, dtype="float32", device="cpu", kv_cache_memory=256 << 20, quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_real_model_invariant_to_chunking_and_preemption(llm, chat_prompts, hf_o
     per_token = llm.engine.kv_bytes_per_token
     longest = max(len(p) for p in chat_prompts) + MAX_NEW
     squeezed = LLM(None, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=24,
-                   kv_cache_memory=per_token * (longest + 40))
+                   kv_cache_memory=per_token * (longest + 40), quantization="none")
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
     outputs = squeezed.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_outputs

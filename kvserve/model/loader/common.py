@@ -44,6 +44,10 @@ class CheckpointReader(Protocol):
 
     def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]: ...
 
+    def quantized_tensor_types(self) -> dict[str, int]:
+        """GGML type name -> how many 2-D tensors are stored in it (empty for float checkpoints)."""
+        ...
+
 
 @dataclass
 class ModelSource:
@@ -73,6 +77,12 @@ class ModelSource:
                 f"weights); use load_format='auto' to read the checkpoint")
         assert self._reader is not None
         return self._reader.iter_weights(self.hf_config, keep_quantized)
+
+    def quantized_tensor_types(self) -> dict[str, int]:
+        """The quantized block types of the checkpoint's 2-D tensors, with their counts (GGUF only)."""
+        if self.load_format == "dummy" or self._reader is None:
+            return {}
+        return self._reader.quantized_tensor_types()
 
     def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]:
         """The model's tokenizer (with its chat template); None for a folder without tokenizer files,

@@ -265,6 +265,14 @@ class GGUFFile:
         return None
 
     # ---- weights ----
+    def quantized_tensor_types(self) -> dict[str, int]:
+        float_types = ("F32", "F16", "BF16", "F64")
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            if len(t.shape) == 2 and t.tensor_type.name not in float_types and t.name not in _GGUF_SKIPPED:
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return counts
+
     def iter_weights(self, config: transformers.PretrainedConfig, keep_quantized: frozenset[str] = frozenset()
                      ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
         """Tensors under HF names; a 2-D tensor whose GGML type is in `keep_quantized` stays in its

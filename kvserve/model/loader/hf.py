@@ -42,6 +42,9 @@ class SafetensorsFolder:
                      keep_quantized: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors(self.weight_files)   # no GGUF blocks in a folder: nothing to keep
 
+    def quantized_tensor_types(self) -> dict[str, int]:
+        return {}
+
     def load_tokenizer(self) -> Optional[transformers.PreTrainedTokenizerBase]:
         if not any(os.path.isfile(os.path.join(self.path, f)) for f in _TOKENIZER_FILES):
             logger.warning("%s: no tokenizer files (%s); prompts must be token ids",
