@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/kvserve generate "What is the capital of France?" "Write a haiku about memory." --max-tokens 64
+	$(VENV)/bin/kvserve generate "What is the capital of France? Answer in one sentence." "Write a haiku about memory." --max-tokens 64
 
 test: setup
 	bash scripts/install_system_packages.sh

@@ -72,12 +72,16 @@ def test_sampled_json_validates_too(llm):
 
 
 def test_json_object_regex_and_choice(llm):
-    prompts = [_chat_prompt(llm, "Describe a dog as JSON."), "My phone number is", "Is the sky blue? Answer:",
+    # A prompt the 135M model answers with a short object: asked for a free description it loops on
+    # nested keys past any max_tokens, and json_object (unlike a schema) does not bound its length.
+    prompts = [_chat_prompt(llm, 'Write {"name": ...} for a dog as JSON.'), "My phone number is", "Is the sky blue? Answer:",
                _chat_prompt(llm, "Write a greeting.")]
     params = [_greedy(json_object=True), _greedy(regex=r"\(\d{3}\) \d{3}-\d{4}"),
               _greedy(choice=["yes", "no", "it depends"]),
               _greedy(grammar='root ::= greeting " " name\ngreeting ::= "Hello" | "Hi"\nname ::= [A-Z][a-z]{1,8}')]
-    obj, phone, choice, greeting = (o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False))
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    obj, phone, choice, greeting = (o.text for o in outputs)
+    assert outputs[0].finish_reason == "stop", obj
     assert isinstance(json.loads(obj), dict)
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone), phone
     assert choice in ("yes", "no", "it depends")
