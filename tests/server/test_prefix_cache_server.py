@@ -78,12 +78,13 @@ def test_a_tenant_never_hits_another_tenants_prefix(server):
 def test_pin_api_is_per_tenant(server):
     url, _ = server
     auth_a, auth_b = {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk-b"}
+    _chat(url, "sk-a", "Where is the reset button?")       # tenant-a computes the system prompt (again)
     body = {"messages": [{"role": "system", "content": SYSTEM}], "ttl": 120}
     response = httpx.post(url + "/v1/prefix/pin", json=body, headers=auth_a)
     assert response.status_code == 200, response.text
     pin = response.json()
     assert pin["object"] == "prefix_pin" and pin["num_blocks"] >= 2 and 0 < pin["expires_in"] <= 120
-    assert pin["num_cached_blocks"] == pin["num_blocks"]          # tenant-a computed this system prompt above
+    assert pin["num_cached_blocks"] == pin["num_blocks"]          # tenant-a computed this system prompt
     assert [p["id"] for p in httpx.get(url + "/v1/prefix/pins", headers=auth_a).json()["data"]] == [pin["id"]]
     assert httpx.get(url + "/v1/prefix/pins", headers=auth_b).json()["data"] == []
     assert _metric(url, "kvserve:prefix_cache_pinned_blocks") == pin["num_blocks"]
@@ -110,6 +111,8 @@ def test_pin_api_is_per_tenant(server):
 def test_prefix_cache_metrics(server):
     url, _ = server
     from kvserve.obs.metrics import METRIC_NAMES
+    for _ in range(2):                                   # a miss then a hit, whichever tests ran before
+        _chat(url, "sk-a", "Which section covers the fans?")
     text = httpx.get(url + "/metrics").text
     for name in METRIC_NAMES:
         assert name in text, name
