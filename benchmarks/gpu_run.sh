@@ -47,8 +47,11 @@ if [[ $what == *" tests "* ]]; then   # the whole suite on CUDA: kernel files an
     *) rest="tests" ;;
   esac
   # -v: a run the call's limit cuts off still names each test's outcome (the summary comes only at the end).
-  timeout 540 python3 -m pytest -v -rfEs -p no:cacheprovider $rest $(printf -- '--ignore=%s ' $kernels $deepseek) \
-    ${PYTEST_EXTRA:-} > "$OUT/gpu_tests_rest.log" 2>&1 &
+  # schemathesis (the API fuzzer) is not on the device and not carried: its test runs in CI only.
+  fuzz=$(python3 -c "import schemathesis" 2>/dev/null || echo "--deselect tests/server/test_server_fuzz.py::test_fuzz_api_finds_no_server_errors")
+  # --failure-log: tracebacks as they happen (a run the limit cuts off never prints its summary).
+  timeout 540 python3 -m pytest -v -rfEs -p no:cacheprovider $rest $(printf -- '--ignore=%s ' $kernels $deepseek) $fuzz \
+    --failure-log "$OUT/gpu_tests_failures.log" ${PYTEST_EXTRA:-} > "$OUT/gpu_tests_rest.log" 2>&1 &
   wait
   for log in "$OUT"/gpu_tests_*.log; do echo "== $log"; tail -3 "$log"; done
 fi

@@ -39,6 +39,28 @@ def _patch_triton_interpreter() -> None:
 _patch_triton_interpreter()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--failure-log", default=None, metavar="FILE",
+                     help="append each failure's traceback to FILE as it happens (a device call cut off by its "
+                          "time limit otherwise loses pytest's end-of-run report, and with it every traceback)")
+
+
+def pytest_runtest_logreport(report):
+    """Runs where reports are collected (the xdist controller too), once per test phase."""
+    path = _failure_log_path
+    if path and report.failed:
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+_failure_log_path: str | None = None
+
+
+def pytest_configure(config):
+    global _failure_log_path
+    _failure_log_path = config.getoption("--failure-log")
+
+
 def _bound_cuda_footprint() -> None:
     """On the GPU machine, an engine left to its defaults takes 0.9 of the free GPU memory for KV and
     pins up to 32 GiB of host RAM for the host tier; pinning that much costs seconds per engine, and
