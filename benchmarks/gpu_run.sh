@@ -3,7 +3,7 @@
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir [REST_PART=1|2] bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
 #   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [hostloadpair] [overload] [multiturn] [coldtiers] [press] [presstier]
-#   [structured] [bandwidth]
+#   [structured] [bandwidth] [blockcopy] [hostloadkernel]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -129,6 +129,22 @@ if [[ $what == *" hosttier "* ]]; then   # the host KV tier: its tests on CUDA, 
   timeout 400 python3 benchmarks/kv/host_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
     --dtype bfloat16 --kv-cache-memory ${HOST_LOAD_KV:-3GiB} --kv-host-memory 24GiB \
     --json "$OUT/h200_host_load_qwen7b.json" 2>&1 | tail -8 | tee "$OUT/gpu_host_load.log"
+fi
+if [[ $what == *" blockcopy "* ]]; then   # the block-copy kernel: its cases and the transfer tests on CUDA, torch vs kernel
+  timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider -k "copy_block_rows or kv_transfer or host_tier" \
+    tests/kernels/test_kernel_registry.py tests/worker/test_kv_transfer.py tests/kvcache/test_host_tier.py \
+    > "$OUT/gpu_tests_block_copy.log" 2>&1
+  tail -3 "$OUT/gpu_tests_block_copy.log"
+  timeout 150 python3 benchmarks/kv/block_copy_bench.py --json "$OUT/h200_block_copy.json" 2>&1 | tail -8
+fi
+if [[ $what == *" hostloadkernel "* ]]; then   # host_load_bench with torch copies, then with the block-copy kernel
+  for kernel in ${KERNEL_SIDES:-0 1}; do
+    KVSERVE_BLOCK_COPY_KERNEL=$kernel timeout 250 python3 benchmarks/kv/host_load_bench.py \
+      --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB \
+      --kv-host-memory 24GiB --repeats 2 --load-phases 2 --phase-steps 20 \
+      --json "$OUT/h200_host_load_kernel_$kernel.json" > "$OUT/h200_host_load_kernel_$kernel.log" 2>&1
+    echo "== kernel $kernel"; grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_kernel_$kernel.log" | cut -c1-600
+  done
 fi
 if [[ $what == *" hostloadpair "* ]]; then   # host_load_bench, this tree against $OLD_SRC (a copy of an older kvserve), alternating
   for round in ${PAIR_ROUNDS:-1 2}; do

@@ -37,6 +37,9 @@ KVSERVE_DISABLE_CPU_KERNELS = EnvVar("KVSERVE_DISABLE_CPU_KERNELS", "0",
                                      "1: never build or use the C CPU kernels (the torch path runs)")
 KVSERVE_HUGE_PAGES = EnvVar("KVSERVE_HUGE_PAGES", "1", "0: do not back packed CPU weights with transparent huge pages")
 KVSERVE_PDL = EnvVar("KVSERVE_PDL", "1", "0: launch the Triton kernels without programmatic dependent launch")
+KVSERVE_BLOCK_COPY_KERNEL = EnvVar("KVSERVE_BLOCK_COPY_KERNEL", "1",
+                                   "0: move KV blocks to and from the host tier with torch copies, not the Triton "
+                                   "block-copy kernel")
 KVSERVE_API_KEY = EnvVar("KVSERVE_API_KEY", "", "the server's API key when --api-key is not given")
 KVSERVE_ADMIN_API_KEY = EnvVar("KVSERVE_ADMIN_API_KEY", "",
                                "the server's admin key (GET /v1/usage) when --admin-api-key is not given")
@@ -46,8 +49,8 @@ PROMETHEUS_MULTIPROC_DIR = EnvVar("PROMETHEUS_MULTIPROC_DIR", "",
                                   "prometheus_client's own; `kvserve serve --api-server-count N` sets it for its "
                                   "front ends (their request metrics are summed there)")
 
-ALL = (KVSERVE_CACHE_DIR, KVSERVE_DISABLE_CPU_KERNELS, KVSERVE_HUGE_PAGES, KVSERVE_PDL, KVSERVE_API_KEY,
-       KVSERVE_ADMIN_API_KEY, CC, TRITON_INTERPRET, PROMETHEUS_MULTIPROC_DIR)
+ALL = (KVSERVE_CACHE_DIR, KVSERVE_DISABLE_CPU_KERNELS, KVSERVE_HUGE_PAGES, KVSERVE_PDL, KVSERVE_BLOCK_COPY_KERNEL,
+       KVSERVE_API_KEY, KVSERVE_ADMIN_API_KEY, CC, TRITON_INTERPRET, PROMETHEUS_MULTIPROC_DIR)
 
 
 def cache_dir() -> str:

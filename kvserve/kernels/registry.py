@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import mla_reference, quant_reference, reference
+from kvserve.kernels import block_copy, mla_reference, quant_reference, reference
 from kvserve.kernels.triton import references
 from kvserve.kvstore import KVCacheStore, build_kv_cache_spec
 
@@ -551,9 +551,49 @@ def _quant_decode_case(variant: str, options: Mapping[str, Any], implementation:
                       _quant_decode_inputs(options, implementation, num_splits), tolerance, covers, interpreter)
 
 
+# ---------------------------------------------------------------------------------------------------
+# block copy between paged pieces and rows of bytes (block_copy)
+
+def _block_rows_inputs(to_rows: bool, host_rows: bool):
+    """The pieces of a store (a model-dtype part, an int8 payload with its fp32 scales, an odd-sized
+    piece that forces narrow words), rows in three segments (pinned host memory with `host_rows`
+    when the device is a GPU), ids out of order and across segments."""
+    def make(device, dtype, seed) -> Inputs:
+        gen = _generator(seed)
+        pieces = [_randn(gen, 9, 4, 2, 16, device=device, dtype=dtype),
+                  torch.randint(-128, 127, (9, 4, 2, 8), generator=gen, dtype=torch.int8).to(device),
+                  _randn(gen, 9, 4, 2, 1, device=device, dtype=FP32),
+                  torch.randint(0, 255, (9, 3), generator=gen, dtype=torch.uint8).to(device)]
+        row_nbytes = sum(block_copy.piece_nbytes(piece) for piece in pieces)
+        on_host = host_rows and device.type == "cuda"
+        segments = []
+        for rows in (4, 4, 3):
+            segment = torch.randint(0, 255, (rows, row_nbytes), generator=gen, dtype=torch.uint8)
+            segments.append(segment.pin_memory() if on_host else segment.to(device))
+        return dict(pieces=pieces, segments=segments, block_ids=torch.tensor([8, 0, 3, 5, 6]),
+                    row_ids=torch.tensor([10, 1, 4, 7, 0]), rows_per_segment=4, to_rows=to_rows)
+    return make
+
+
+def _block_rows_run(copy, x: Inputs) -> Outputs:
+    pieces = [piece.clone() for piece in x["pieces"]]
+    segments = [segment.clone().pin_memory() if segment.is_pinned() else segment.clone() for segment in x["segments"]]
+    copy(pieces, x["block_ids"], segments, x["row_ids"], x["rows_per_segment"], x["to_rows"])
+    if pieces[0].is_cuda:
+        torch.cuda.synchronize()
+    # As bytes: rows written into a float piece may hold NaN patterns.
+    return tuple(p.contiguous().view(torch.uint8).cpu() for p in pieces) + tuple(s.cpu() for s in segments)
+
+
 CASES: tuple[KernelCase, ...] = (
     KernelCase("store_kv[gqa3-d64]", "kv_store", "store_kv", _store_kv_call, _store_kv_reference,
                _store_kv_inputs, EXACT),
+    KernelCase("copy_block_rows[to-rows-device]", "block_copy", "copy_block_rows", _block_rows_run,
+               lambda x: _block_rows_run(block_copy.copy_block_rows, x), _block_rows_inputs(True, False), EXACT),
+    KernelCase("copy_block_rows[from-pinned-host-rows]", "block_copy", "copy_block_rows", _block_rows_run,
+               lambda x: _block_rows_run(block_copy.copy_block_rows, x), _block_rows_inputs(False, True), EXACT),
+    KernelCase("copy_block_rows[to-pinned-host-rows]", "block_copy", "copy_block_rows", _block_rows_run,
+               lambda x: _block_rows_run(block_copy.copy_block_rows, x), _block_rows_inputs(True, True), EXACT),
     KernelCase("paged_decode_attention[gqa7-d128-auto-splits]", "decode_attention", "paged_decode_attention",
                _decode_call, _decode_reference, _decode_inputs(28, 4, 128, 16, [1, 15, 16, 17, 95, 400, 0], None),
                ATTENTION_TOL),

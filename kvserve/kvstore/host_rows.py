@@ -41,6 +41,15 @@ class HostRows:
             live += segment.shape[0]
         return live
 
+    def live_segments(self) -> list[torch.Tensor]:
+        """The live segments, in order: blocks [0, num_live_blocks) (what a block-copy kernel reads)."""
+        live = []
+        for segment in self._segments:
+            if segment is None:
+                break
+            live.append(segment)
+        return live
+
     @property
     def nbytes(self) -> int:
         return sum(s.numel() for s in self._segments if s is not None)

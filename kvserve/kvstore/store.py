@@ -181,6 +181,12 @@ class KVCacheStore:
         return iter(self.layers)
 
     @property
+    def pieces(self) -> list[torch.Tensor]:
+        """Every block-indexed tensor, in the order of a block's bytes in `read_blocks` (a tier's
+        store has none: its blocks are `flat`'s rows)."""
+        return self._block_tensors
+
+    @property
     def block_nbytes(self) -> int:
         """Bytes of one block over all layers and parts: a row of `read_blocks`."""
         return sum(self._block_bytes)

@@ -23,6 +23,14 @@ in while other requests keep stepping on the main stream:
   stalling the step. The deepest blocks (`BlockCopy.depths`) go first, so what is dropped is the
   deep end of a prefix, not a block its hits pass through.
 
+With the block-copy kernel (kvserve/kernels/triton/block_copy.py; on CUDA when triton imports, unless
+KVSERVE_BLOCK_COPY_KERNEL=0) each of those moves is one launch instead of one torch copy per piece and
+per run of host rows: a load is one kernel on the load stream that reads the pinned host rows itself
+(no staging slot, no scatter stream; it waits for the step in flight where `after_inflight` says so,
+as the scatters did), and a write-back's gather into a slot and the slot's put to the host rows are
+one launch (the put by the copy engine where `PUT_WITH_KERNEL` is off). Loads run on a few SMs only (`LINK_PROGRAMS`): the link, not the SMs,
+bounds them, and the main stream's steps keep the rest.
+
 Without CUDA every copy runs at once, in order, and its ticket is reported at the next poll: the
 same scheduling path, on plain memory.
 """
@@ -32,10 +40,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from kvserve import envs
 from kvserve.kvstore import DEVICE_STORE, LOAD, SWAP_IN, SWAP_OUT, WRITE_BACK, BlockCopy, KVCacheStore
 from kvserve.kvstore.staging import StagingRing
 from kvserve.stats import TransferStats
@@ -54,6 +63,25 @@ DEFAULT_MAX_WRITE_BACK_BYTES = 4 << 30
 # Staging per direction on a GPU (kvstore/staging.py): a step's write-backs up to this size never
 # make the main stream wait for the host copy.
 DEVICE_STAGING_BYTES = 256 << 20
+# Programs of a block-copy kernel that crosses the link (a load from pinned host rows, a put of a
+# slot to them): enough loads in flight to fill PCIe, few enough SMs that a decode step beside it
+# keeps the others (benchmarks/kv/block_copy_bench.py measures the rate against this).
+LINK_PROGRAMS = 16
+# A write-back's put of a staging slot to the host rows: by the copy engine (one copy per run of
+# host rows) or by the kernel (one launch, writing the rows from SMs). Stores to host memory from
+# SMs slowed a GEMM beside them far more than the copy engine did (benchmarks/kv/block_copy_bench.py).
+PUT_WITH_KERNEL = False
+
+
+def block_copy_kernel(device: torch.device) -> Optional[Callable[..., None]]:
+    """The Triton block-copy entry point where it runs (CUDA, triton importable, not switched off)."""
+    if device.type != "cuda" or not envs.KVSERVE_BLOCK_COPY_KERNEL.is_on():
+        return None
+    try:
+        from kvserve.kernels.triton.block_copy import copy_block_rows
+    except ImportError:
+        return None
+    return copy_block_rows
 
 
 @dataclass
@@ -89,7 +117,7 @@ class _Pending:
 class KVTransfers:
     def __init__(self, stores: dict[str, KVCacheStore], device: torch.device,
                  max_write_back_bytes: int = DEFAULT_MAX_WRITE_BACK_BYTES,
-                 staging_bytes: int = DEVICE_STAGING_BYTES) -> None:
+                 staging_bytes: int = DEVICE_STAGING_BYTES, use_kernel: Optional[bool] = None) -> None:
         self.stores = stores                # shared with the runner: tiers register into it
         self.device = device
         self.max_write_back_bytes = max_write_back_bytes
@@ -99,6 +127,10 @@ class KVTransfers:
         self.load_stream = torch.cuda.Stream(device) if on_cuda else None
         self.write_stream = torch.cuda.Stream(device) if on_cuda else None
         self.scatter_stream = torch.cuda.Stream(device) if on_cuda else None
+        # The block-copy kernel (None: torch copies): where it runs, unless `use_kernel` is False.
+        self.kernel = None if use_kernel is False else block_copy_kernel(device)
+        if use_kernel and self.kernel is None:
+            raise ValueError("the block-copy kernel needs CUDA and triton (and KVSERVE_BLOCK_COPY_KERNEL not 0)")
         # Per host block, the copy in flight that last wrote it and the one that last read it.
         self._last_write: dict[int, _Pending] = {}
         self._last_read: dict[int, _Pending] = {}
@@ -251,6 +283,9 @@ class KVTransfers:
         """Device blocks -> ring slots on `gather_stream`, slots -> host blocks on the write stream;
         `gathered_at` learns, per device block, the event after which it may be overwritten."""
         side = self.write_stream
+        if self.kernel is not None:
+            self._gather_and_put_kernel(ring, gather_stream, source, destination, pairs, gathered_at)
+            return
         with torch.cuda.stream(gather_stream):
             # Allocated on the stream that reads it (see _copy_in).
             src_index = source.block_index([src for src, _ in pairs])
@@ -269,7 +304,60 @@ class KVTransfers:
                 destination.put_rows(dst_ids[start:end], slot[:end - start])
             ring.release(slot_index, side)
 
+    def _gather_and_put_kernel(self, ring: StagingRing, gather_stream: torch.cuda.Stream, source: KVCacheStore,
+                               destination: KVCacheStore, pairs: list[tuple[int, int]],
+                               gathered_at: Optional[dict[int, torch.cuda.Event]]) -> None:
+        """_gather_and_put with one kernel launch per slot and direction."""
+        side, flat = self.write_stream, destination.flat
+        src_ids = torch.tensor([src for src, _ in pairs], dtype=torch.long)
+        dst_ids = torch.tensor([dst for _, dst in pairs], dtype=torch.long)
+        segments = flat.live_segments()
+        for start, end in ring.chunks(len(pairs)):
+            count = end - start
+            slot_index, slot = ring.acquire(gather_stream)
+            slot_rows = torch.arange(count)
+            with torch.cuda.stream(gather_stream):
+                self.kernel(source.pieces, src_ids[start:end], [slot], slot_rows, ring.blocks_per_slot, to_rows=True)
+            gathered = torch.cuda.Event()
+            gathered.record(gather_stream)
+            if gathered_at is not None:
+                gathered_at.update((src, gathered) for src, _ in pairs[start:end])
+            if gather_stream is not side:
+                side.wait_event(gathered)
+            with torch.cuda.stream(side):
+                if PUT_WITH_KERNEL:
+                    self.kernel([slot[:count]], slot_rows, segments, dst_ids[start:end], flat.segment_blocks,
+                                to_rows=True, max_programs=LINK_PROGRAMS)
+                else:
+                    destination.put_rows(dst_ids[start:end].tolist(), slot[:count])
+            ring.release(slot_index, side)
+
+    def _copy_in_kernel(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore,
+                        nbytes: int) -> _Pending:
+        """_copy_in as one kernel on the load stream, reading the pinned host rows directly."""
+        main, stream = torch.cuda.current_stream(self.device), self.load_stream
+        if copy.after_inflight:
+            stream.wait_stream(main)
+        self._wait_for(stream, self._last_write, copy.src_block_ids)
+        gathered = self._gathered
+        if gathered:                    # blocks evicted this step: their write-back gathers them first
+            for event in {id(e): e for e in (gathered.get(b) for b in copy.dst_block_ids) if e is not None}.values():
+                stream.wait_event(event)
+        started = torch.cuda.Event(enable_timing=True)
+        started.record(stream)
+        with torch.cuda.stream(stream):
+            self.kernel(destination.pieces, torch.tensor(copy.dst_block_ids, dtype=torch.long),
+                        source.flat.live_segments(), torch.tensor(copy.src_block_ids, dtype=torch.long),
+                        source.flat.segment_blocks, to_rows=False, max_programs=LINK_PROGRAMS)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(stream)
+        pending = _Pending(copy.ticket, copy.purpose, nbytes, done, started, host_ids=copy.src_block_ids)
+        self._last_read.update(dict.fromkeys(copy.src_block_ids, pending))
+        return pending
+
     def _copy_in(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore, nbytes: int) -> _Pending:
+        if self.kernel is not None:
+            return self._copy_in_kernel(copy, source, destination, nbytes)
         # Two streams, so the link moves slot k + 1 while slot k is scattered into its blocks.
         main, copier, scatterer = torch.cuda.current_stream(self.device), self.load_stream, self.scatter_stream
         ring = self._ring("in", destination)

@@ -82,6 +82,16 @@ def test_a_failed_load_recomputes_with_the_same_tokens(folder, monkeypatch):
         return real(self, ids, out)
 
     monkeypatch.setattr(KVCacheStore, "take_rows", flaky)
+    transfers = llm.engine.runner.transfers
+    if transfers.kernel is not None:            # on a GPU with triton, loads run the block-copy kernel
+        kernel = transfers.kernel
+
+        def flaky_kernel(pieces, block_ids, segments, row_ids, rows_per_segment, to_rows, max_programs=None):
+            if not to_rows and not failures:
+                failures.append(len(block_ids))
+                raise RuntimeError("injected: a host-to-device copy failed")
+            return kernel(pieces, block_ids, segments, row_ids, rows_per_segment, to_rows, max_programs)
+        monkeypatch.setattr(transfers, "kernel", flaky_kernel)
     assert _tokens(llm, PROMPT) == cold
     stats = llm.engine.make_stats().kv_cache
     assert failures == [10] and stats.transfers.copy_failures == 1 and stats.host.load_failures == 1
@@ -182,8 +192,18 @@ def test_a_write_back_past_the_bound_keeps_its_first_blocks_and_drops_the_rest()
     assert torch.equal(host.read_blocks([2, 4]), device.read_blocks([5, 7]))
 
 
+def _kernel_choices():
+    """Both ways of moving blocks on a GPU: torch copies, and the Triton block-copy kernel where triton imports."""
+    from kvserve.worker.kv_transfer import block_copy_kernel
+    choices = [False]
+    if torch.cuda.is_available() and block_copy_kernel(torch.device("cuda")) is not None:
+        choices.append(True)
+    return choices
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the transfer stream")
-def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source():
+@pytest.mark.parametrize("use_kernel", _kernel_choices())
+def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source(use_kernel):
     from kvserve.kvstore import build_kv_cache_spec
     spec = build_kv_cache_spec(num_layers=4, num_kv_heads=4, head_dim=64, model_dtype=torch.bfloat16)
     gpu = KVCacheStore.allocate(spec, 64, 16, "cuda")
@@ -192,7 +212,8 @@ def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source():
     gpu.write_blocks(list(range(64)), data)
     # Staging for 3 blocks a slot: the copies go through the ring in many chunks.
     transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"),
-                            staging_bytes=6 * gpu.block_nbytes)
+                            staging_bytes=6 * gpu.block_nbytes, use_kernel=use_kernel)
+    assert (transfers.kernel is not None) == use_kernel
     out_ids, host_ids = list(range(0, 40)), [63 - i for i in range(40)]
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(out_ids), tuple(host_ids))])
     # The forward after the copies may overwrite the blocks at once: the gather already read them.
@@ -213,7 +234,8 @@ def _wait_landed(transfers: KVTransfers, ticket: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the write and load streams")
-def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams():
+@pytest.mark.parametrize("use_kernel", _kernel_choices())
+def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(use_kernel):
     """Writes and loads run on streams of their own; a host block is still written and read in
     issue order (a load waits for the write that fills it, a write for the load still reading it),
     and a block evicted and loaded into in one step is gathered before the load overwrites it.
@@ -225,7 +247,7 @@ def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams():
     host = KVCacheStore.allocate_flat(spec, 2 * count, 16, pin_memory=True)
     first = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
     second = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
-    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"))
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"), use_kernel=use_kernel)
     ids, spare, third = tuple(range(count)), tuple(range(count, 2 * count)), tuple(range(2 * count, 3 * count))
     stall = 200_000_000                     # GPU cycles: ~0.1 s
 
