@@ -283,17 +283,12 @@ class KVTransfers:
         """Device blocks -> ring slots on `gather_stream`, slots -> host blocks on the write stream;
         `gathered_at` learns, per device block, the event after which it may be overwritten."""
         side = self.write_stream
-        if self.kernel is not None:
-            self._gather_and_put_kernel(ring, gather_stream, source, destination, pairs, gathered_at)
-            return
-        with torch.cuda.stream(gather_stream):
-            # Allocated on the stream that reads it (see _copy_in).
-            src_index = source.block_index([src for src, _ in pairs])
+        gather = self._slot_gather(gather_stream, source, [src for src, _ in pairs], ring.blocks_per_slot)
         dst_ids = [dst for _, dst in pairs]
         for start, end in ring.chunks(len(pairs)):
             slot_index, slot = ring.acquire(gather_stream)
             with torch.cuda.stream(gather_stream):
-                slot[:end - start].copy_(source.gather_bytes(src_index[start:end]))
+                gather(start, end, slot)
             gathered = torch.cuda.Event()
             gathered.record(gather_stream)
             if gathered_at is not None:
@@ -301,36 +296,37 @@ class KVTransfers:
             if gather_stream is not side:
                 side.wait_event(gathered)
             with torch.cuda.stream(side):
-                destination.put_rows(dst_ids[start:end], slot[:end - start])
+                self._put(destination, dst_ids[start:end], slot[:end - start])
             ring.release(slot_index, side)
 
-    def _gather_and_put_kernel(self, ring: StagingRing, gather_stream: torch.cuda.Stream, source: KVCacheStore,
-                               destination: KVCacheStore, pairs: list[tuple[int, int]],
-                               gathered_at: Optional[dict[int, torch.cuda.Event]]) -> None:
-        """_gather_and_put with one kernel launch per slot and direction."""
-        side, flat = self.write_stream, destination.flat
-        src_ids = torch.tensor([src for src, _ in pairs], dtype=torch.long)
-        dst_ids = torch.tensor([dst for _, dst in pairs], dtype=torch.long)
-        segments = flat.live_segments()
-        for start, end in ring.chunks(len(pairs)):
-            count = end - start
-            slot_index, slot = ring.acquire(gather_stream)
-            slot_rows = torch.arange(count)
-            with torch.cuda.stream(gather_stream):
-                self.kernel(source.pieces, src_ids[start:end], [slot], slot_rows, ring.blocks_per_slot, to_rows=True)
-            gathered = torch.cuda.Event()
-            gathered.record(gather_stream)
-            if gathered_at is not None:
-                gathered_at.update((src, gathered) for src, _ in pairs[start:end])
-            if gather_stream is not side:
-                side.wait_event(gathered)
-            with torch.cuda.stream(side):
-                if PUT_WITH_KERNEL:
-                    self.kernel([slot[:count]], slot_rows, segments, dst_ids[start:end], flat.segment_blocks,
-                                to_rows=True, max_programs=LINK_PROGRAMS)
-                else:
-                    destination.put_rows(dst_ids[start:end].tolist(), slot[:count])
-            ring.release(slot_index, side)
+    def _slot_gather(self, gather_stream: torch.cuda.Stream, source: KVCacheStore, src_ids: list[int],
+                     blocks_per_slot: int) -> Callable[[int, int, torch.Tensor], None]:
+        """A function copying source blocks src_ids[start:end] into a ring slot, on the current stream:
+        one kernel launch, or a torch gather per piece."""
+        if self.kernel is not None:
+            kernel, ids = self.kernel, torch.tensor(src_ids, dtype=torch.long)
+
+            def gather(start: int, end: int, slot: torch.Tensor) -> None:
+                kernel(source.pieces, ids[start:end], [slot], torch.arange(end - start), blocks_per_slot, to_rows=True)
+            return gather
+        with torch.cuda.stream(gather_stream):
+            # Allocated on the stream that reads it (see _copy_in).
+            src_index = source.block_index(src_ids)
+
+        def gather(start: int, end: int, slot: torch.Tensor) -> None:
+            slot[:end - start].copy_(source.gather_bytes(src_index[start:end]))
+        return gather
+
+    def _put(self, destination: KVCacheStore, host_ids: list[int], rows: torch.Tensor) -> None:
+        """Staged rows -> host blocks on the current stream: by the copy engine, or (PUT_WITH_KERNEL,
+        measured slower for the step beside it) by the kernel writing the pinned rows."""
+        if self.kernel is not None and PUT_WITH_KERNEL:
+            flat = destination.flat
+            self.kernel([rows], torch.arange(len(host_ids)), flat.live_segments(),
+                        torch.tensor(host_ids, dtype=torch.long), flat.segment_blocks,
+                        to_rows=True, max_programs=LINK_PROGRAMS)
+        else:
+            destination.put_rows(host_ids, rows)
 
     def _copy_in_kernel(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore,
                         nbytes: int) -> _Pending:
