@@ -101,8 +101,7 @@ class DiskStore:
                     if readable is None:
                         continue                       # removed meanwhile (a reader found it damaged)
                     if not readable:
-                        self._remove(entry.path)
-                        removed += 1
+                        removed += self._remove(entry.path)     # a reader may have removed it first
                         continue
                     stat = entry.stat()
                     found.append((stat.st_mtime, self._key_of(entry.name), stat.st_size))
@@ -236,19 +235,22 @@ class DiskStore:
         return victims
 
     def discard(self, key: str) -> None:
-        self._remove(self.file_of(key))
+        # Counted by whoever removes the file: the start-up index rebuild may find it first.
+        removed = self._remove(self.file_of(key))
         with self._lock:
-            self.corrupt += 1
+            self.corrupt += removed
             size = self._index.pop(key, None)
             if size is not None:
                 self._used -= size
 
     @staticmethod
-    def _remove(path: str) -> None:
+    def _remove(path: str) -> bool:
+        """Whether this call removed the file (False: it was gone already, or cannot be removed)."""
         try:
             os.remove(path)
+            return True
         except OSError:
-            pass
+            return False
 
     def make_stats(self) -> ColdStoreStats:
         with self._lock:
