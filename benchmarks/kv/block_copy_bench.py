@@ -10,7 +10,8 @@ shape: 28 layers, 4 KV heads, head dim 128, bf16, 16-token blocks; 512 blocks = 
   the copy streams in beside it.
 Host ids are shuffled (a tier that has run a while hands out scattered rows) or in order.
 Write-backs put their staging slots to the host by the copy engine, or (`kernel_put_by_kernel`) by the
-kernel. Then the kernel's load rate for several grid caps (LINK_PROGRAMS is the one the engine uses).
+kernel. Then the kernel's load rate for several grid caps (LINK_PROGRAMS is the engine's for a load
+alone on the GPU, LINK_PROGRAMS_BESIDE_A_BATCH beside a running batch).
 
     python benchmarks/kv/block_copy_bench.py --json benchmarks/results/kv/h200_block_copy.json
 """
@@ -89,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          after_inflight=False)
                     torch.cuda.synchronize()
                     started = time.perf_counter()
-                    transfers.run([copy])
+                    transfers.run([copy], beside_a_batch=True)     # the decode stand-in runs beside it
                     issued = time.perf_counter() - started
                     decode_s = decode_like()          # on the main stream while the copy streams
                     torch.cuda.synchronize()
@@ -113,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from kvserve.kernels.triton.block_copy import copy_block_rows
     rates = {}
     dst, src = torch.arange(n, 2 * n), torch.arange(n)
-    for programs in (8, 16, 32, 64, 132, 264, 528):
+    for programs in (2, 4, 8, 16, 32, 64, 132, 264, 528):
         times = []
         for _ in range(args.repeats):
             torch.cuda.synchronize()
@@ -125,6 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rates[programs] = nbytes / statistics.median(times) / 1e9
     results["kernel_load_GB_per_s_by_programs"] = rates
     results["link_programs"] = kv_transfer.LINK_PROGRAMS
+    results["link_programs_beside_a_batch"] = kv_transfer.LINK_PROGRAMS_BESIDE_A_BATCH
     print("kernel load GB/s by programs", json.dumps(rates))
     # The copy engine's rate for one contiguous pinned copy of the same size: the link's ceiling here.
     staged = torch.empty(n, gpu.block_nbytes, dtype=torch.uint8, device=device)

@@ -28,8 +28,9 @@ KVSERVE_BLOCK_COPY_KERNEL=0) each of those moves is one launch instead of one to
 per run of host rows: a load is one kernel on the load stream that reads the pinned host rows itself
 (no staging slot, no scatter stream; it waits for the step in flight where `after_inflight` says so,
 as the scatters did), and a write-back's gather into a slot and the slot's put to the host rows are
-one launch (the put by the copy engine where `PUT_WITH_KERNEL` is off). Loads run on a few SMs only (`LINK_PROGRAMS`): the link, not the SMs,
-bounds them, and the main stream's steps keep the rest.
+one launch (the put by the copy engine where `PUT_WITH_KERNEL` is off). Loads run on a few SMs only
+(`LINK_PROGRAMS`, fewer beside a running batch): the link, not the SMs, bounds them, and the main
+stream's steps keep the rest.
 
 Without CUDA every copy runs at once, in order, and its ticket is reported at the next poll: the
 same scheduling path, on plain memory.
@@ -64,9 +65,13 @@ DEFAULT_MAX_WRITE_BACK_BYTES = 4 << 30
 # make the main stream wait for the host copy.
 DEVICE_STAGING_BYTES = 256 << 20
 # Programs of a block-copy kernel that crosses the link (a load from pinned host rows, a put of a
-# slot to them): enough loads in flight to fill PCIe, few enough SMs that a decode step beside it
-# keeps the others (benchmarks/kv/block_copy_bench.py measures the rate against this).
+# slot to them). A program holds its SM for the whole transfer, and the link, not the SMs, bounds
+# the rate: on an H100 16 programs reached the plateau (43 GB/s; 8: 34, 4: 18), and a decode step
+# beside 16 of them ran 15% slower (benchmarks/kv/block_copy_bench.py, host_load_bench.py). So a
+# load alone on the GPU takes the plateau, and a load beside a running batch takes few SMs: it
+# lands later, but the batch keeps its speed.
 LINK_PROGRAMS = 16
+LINK_PROGRAMS_BESIDE_A_BATCH = 4
 # A write-back's put of a staging slot to the host rows: by the copy engine (one copy per run of
 # host rows) or by the kernel (one launch, writing the rows from SMs). Stores to host memory from
 # SMs slowed a GEMM beside them far more than the copy engine did (benchmarks/kv/block_copy_bench.py).
@@ -146,13 +151,16 @@ class KVTransfers:
         self.load_seconds = 0.0
         self._load_buckets = [0] * len(LOAD_SECONDS_BUCKETS)
         self.write_back_blocks_dropped = 0
+        self._load_programs = LINK_PROGRAMS
         self.copy_failures = 0
 
     # --- issuing ------------------------------------------------------------------------------
-    def run(self, copies: list[BlockCopy]) -> None:
-        """Issues the step's copies (in their order for each direction); returns without waiting."""
+    def run(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> None:
+        """Issues the step's copies (in their order for each direction); returns without waiting.
+        `beside_a_batch`: the step runs a forward too, which the loads must disturb little."""
         if not copies:
             return
+        self._load_programs = LINK_PROGRAMS_BESIDE_A_BATCH if beside_a_batch else LINK_PROGRAMS
         outs = [copy for copy in copies if copy.destination != DEVICE_STORE]
         ins = [copy for copy in copies if copy.destination == DEVICE_STORE]
         # This step's load destinations: blocks evicted to make room for them.
@@ -344,7 +352,7 @@ class KVTransfers:
         with torch.cuda.stream(stream):
             self.kernel(destination.pieces, torch.tensor(copy.dst_block_ids, dtype=torch.long),
                         source.flat.live_segments(), torch.tensor(copy.src_block_ids, dtype=torch.long),
-                        source.flat.segment_blocks, to_rows=False, max_programs=LINK_PROGRAMS)
+                        source.flat.segment_blocks, to_rows=False, max_programs=self._load_programs)
         done = torch.cuda.Event(enable_timing=True)
         done.record(stream)
         pending = _Pending(copy.ticket, copy.purpose, nbytes, done, started, host_ids=copy.src_block_ids)

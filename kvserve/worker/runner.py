@@ -238,7 +238,7 @@ class ModelRunner:
                  previous: InflightStep | None = None, observe: dict[str, int] | None = None):
         """(ordered items, hidden states, sampled row offsets, their requests). With `observe`
         (request id -> query rows to record), `self.observed` holds those queries afterwards."""
-        self.run_block_copies(sched_out.block_copies)
+        self.run_block_copies(sched_out.block_copies, beside_a_batch=bool(sched_out.scheduled))
         self.observed = {}
         if not sched_out.scheduled:
             return [], None, [], []
@@ -274,9 +274,9 @@ class ModelRunner:
         self.kv_store.check_same_layout(store)
         self.kv_stores[name] = store
 
-    def run_block_copies(self, copies: list[BlockCopy]) -> None:
+    def run_block_copies(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> None:
         """Issues the step's block copies before its forward (kvserve/worker/kv_transfer.py)."""
-        self.transfers.run(copies)
+        self.transfers.run(copies, beside_a_batch)
 
     def _sampled_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
         if sample_rows[-1] - sample_rows[0] == len(sample_rows) - 1:
