@@ -137,13 +137,17 @@ if [[ $what == *" blockcopy "* ]]; then   # the block-copy kernel: its cases and
   tail -3 "$OUT/gpu_tests_block_copy.log"
   timeout 150 python3 benchmarks/kv/block_copy_bench.py --json "$OUT/h200_block_copy.json" 2>&1 | tail -8
 fi
-if [[ $what == *" hostloadkernel "* ]]; then   # host_load_bench with torch copies, then with the block-copy kernel
-  for kernel in ${KERNEL_SIDES:-0 1}; do
-    KVSERVE_BLOCK_COPY_KERNEL=$kernel timeout 250 python3 benchmarks/kv/host_load_bench.py \
-      --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB \
-      --kv-host-memory 24GiB --repeats 2 --load-phases 2 --phase-steps 20 \
-      --json "$OUT/h200_host_load_kernel_$kernel.json" > "$OUT/h200_host_load_kernel_$kernel.log" 2>&1
-    echo "== kernel $kernel"; grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_kernel_$kernel.log" | cut -c1-600
+if [[ $what == *" hostloadkernel "* ]]; then   # host_load_bench with torch copies, then with the block-copy kernel,
+  # under each host write policy in HOSTLOAD_POLICIES (default write-back only)
+  for policy in ${HOSTLOAD_POLICIES:-write-back}; do
+    for kernel in ${KERNEL_SIDES:-0 1}; do
+      tag=$kernel; [[ $policy != write-back ]] && tag=${kernel}_$policy
+      KVSERVE_BLOCK_COPY_KERNEL=$kernel timeout 250 python3 benchmarks/kv/host_load_bench.py \
+        --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB \
+        --kv-host-memory 24GiB --kv-host-write-policy $policy --repeats 2 --load-phases 2 --phase-steps 20 \
+        --json "$OUT/h200_host_load_kernel_$tag.json" > "$OUT/h200_host_load_kernel_$tag.log" 2>&1
+      echo "== kernel $kernel $policy"; grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_kernel_$tag.log" | cut -c1-600
+    done
   done
 fi
 if [[ $what == *" hostloadpair "* ]]; then   # host_load_bench, this tree against $OLD_SRC (a copy of an older kvserve), alternating
@@ -163,8 +167,11 @@ if [[ $what == *" overload "* ]]; then   # swap / auto / recompute preemption un
     --kv-cache-memory 2GiB --kv-host-memory 16GiB --json "$OUT/h200_preemption_overload.json" 2>&1 | tail -5
 fi
 if [[ $what == *" multiturn "* ]]; then   # multi-turn chat, working set 4x the GPU KV: host tier against none
-  timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b --out "$OUT/h200_multiturn_qwen7b.json" \
-    2>&1 | tail -12 | tee "$OUT/gpu_multiturn.log"
+  # MULTITURN_POLICY: the host tier's write policy (default: the engine's, write-back)
+  policy=${MULTITURN_POLICY:+--kv-host-write-policy $MULTITURN_POLICY}
+  timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b $policy \
+    --out "$OUT/h200_multiturn_qwen7b${MULTITURN_POLICY:+_$MULTITURN_POLICY}.json" \
+    2>&1 | tail -12 | tee "$OUT/gpu_multiturn${MULTITURN_POLICY:+_$MULTITURN_POLICY}.log"
 fi
 if [[ $what == *" press "* ]]; then   # decode step time and KV per request after a press (issue 28)
   timeout 330 python3 benchmarks/kv/press_speed_bench.py --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy \
