@@ -319,14 +319,14 @@ class Engine:
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), list(map(int, prompt["prompt_token_ids"]))
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("this model has no tokenizer: pass prompt_token_ids")
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if isinstance(prompt, (list, tuple)):
-            return None, [int(t) for t in prompt]
+            return None, list(map(int, prompt))
         raise RequestRejected(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def add_request(self, request_id: Optional[str], prompt: PromptInput,

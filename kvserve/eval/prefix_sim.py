@@ -21,7 +21,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from kvserve.eval.prefix_traces import BLOCK_SIZE, TraceRequest
 from kvserve.kvcache.manager import KVCacheManager, blocks_for_tokens
@@ -136,10 +136,11 @@ class _DeadFirstCache(PrefixCache):
         self._next_use = next_use
         self.request_index = 0
 
-    def on_release(self, block_id: int) -> None:
-        cached = self._by_block[block_id]
-        dead = self._next_use(cached.block_hash, self.request_index) == math.inf
-        self._evictor.add(block_id, -math.inf if dead else cached.stats.times[-1], cached.stats.depth)
+    def on_release_many(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            cached = self._by_block[block_id]
+            dead = self._next_use(cached.block_hash, self.request_index) == math.inf
+            self._evictor.add(block_id, -math.inf if dead else cached.stats.times[-1], cached.stats.depth)
 
 
 def simulate_dead_first_lru(trace: list[TraceRequest], capacity_blocks: int) -> float:
@@ -179,10 +180,11 @@ class _SharedLastCache(PrefixCache):
         super().__init__(LRUPolicy(), clock, history_blocks=2 * capacity_blocks)
         self._shared = shared
 
-    def on_release(self, block_id: int) -> None:
-        cached = self._by_block[block_id]
-        # The evictor's pinned tier goes only when nothing else is left.
-        self._evictor.add(block_id, cached.stats.times[-1], cached.stats.depth, cached.block_hash in self._shared)
+    def on_release_many(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            cached = self._by_block[block_id]
+            # The evictor's pinned tier goes only when nothing else is left.
+            self._evictor.add(block_id, cached.stats.times[-1], cached.stats.depth, cached.block_hash in self._shared)
 
 
 def simulate_shared_last_lru(trace: list[TraceRequest], capacity_blocks: int,

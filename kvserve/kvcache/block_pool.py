@@ -115,19 +115,25 @@ class BlockPool:
         self._ref_counts[block_id] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
+        # Cached blocks whose last owner left become evictable together, in one call (a long
+        # request frees thousands at once).
+        released: list[int] = []
+        ref_counts, owners, cache = self._ref_counts, self._owner, self.cache
         for block_id in blocks:
             if not 0 <= block_id < self.num_blocks:
                 raise BlockPoolError(f"block {block_id} is not in this pool")
-            count = self._ref_counts[block_id]
+            count = ref_counts[block_id]
             if count < 1:
                 raise BlockPoolError(f"block {block_id} freed twice")
-            self._ref_counts[block_id] = count - 1
+            ref_counts[block_id] = count - 1
             if count == 1:
-                if self.cache is not None and self.cache.holds(block_id):
-                    self.cache.on_release(block_id)
-                    owner = self._owner[block_id]
+                if cache is not None and cache.holds(block_id):
+                    released.append(block_id)
+                    owner = owners[block_id]
                     if owner is not None:
                         self.evictable_owned[owner] += 1
                 else:
                     self._disown((block_id,), evictable=False)
                     self._empty.append(block_id)
+        if released:
+            cache.on_release_many(released)

@@ -36,7 +36,7 @@ import numpy as np
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.prefix_cache import (CachedBlock, HashedSequence, Pin, PrefixCache, chain_hashes,
-                                          hash_block, namespace_root)
+                                          namespace_root)
 from kvserve.kvstore import DEVICE_STORE, HOST_STORE, LOAD, SWAP_IN, SWAP_OUT, WRITE_BACK, BlockCopy
 from kvserve.kvcache.kv_map import (CACHED, FREE, LOADING, PINNED, RUNNING, SHARED, fold_cells, heat_scores,
                                     make_tier, namespace_tenant)
@@ -321,11 +321,11 @@ class KVCacheManager:
     # --- prefix cache -------------------------------------------------------------------------------
     def _extend_hashes(self, seq: HashedSequence, num_blocks: int) -> None:
         hashes = seq.block_hashes
+        if len(hashes) >= num_blocks:
+            return
         bs = self.block_size
         parent = hashes[-1] if hashes else seq.cache_root
-        for index in range(len(hashes), num_blocks):
-            parent = hash_block(parent, seq.token_ids_between(index * bs, (index + 1) * bs))
-            hashes.append(parent)
+        hashes.extend(chain_hashes(parent, seq.token_ids_between(len(hashes) * bs, num_blocks * bs), bs))
 
     def peek_cached_tokens(self, token_ids: Sequence[int], namespace: str) -> int:
         """Tokens of the longest cached prefix of `token_ids` in `namespace` (whole blocks, the last

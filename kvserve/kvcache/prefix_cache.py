@@ -14,7 +14,7 @@ hit another tenant's block, whatever the hashes.
 
 The cache owns the index (hash -> block), each cached block's access history, the evictor and
 the pins. The block pool owns refcounts and asks the cache when a block's last owner leaves
-(`on_release`: it becomes evictable) or a cached block is reused (`on_acquire`), and takes
+(`on_release_many`: it becomes evictable) or a cached block is reused (`on_acquire`), and takes
 victims from `evict()` when it has no empty block left.
 """
 
@@ -50,10 +50,14 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def chain_hashes(root: bytes, token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Hashes of every full block of `token_ids`."""
-    hashes, parent = [], root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size])
+    """Hashes of every full block of `token_ids`, each chained to the one before (the first to
+    `root`); equal to `hash_block` block by block. The tokens are encoded once, and each block
+    hashes a slice of that buffer (a 32k-token prompt hashes 2,048 blocks)."""
+    encoded = array("q", token_ids[:len(token_ids) - len(token_ids) % block_size]).tobytes()
+    width = block_size * 8                      # int64 tokens
+    hashes, parent, digest = [], root, xxhash.xxh3_128_digest
+    for start in range(0, len(encoded), width):
+        parent = digest(parent + encoded[start:start + width])
         hashes.append(parent)
     return hashes
 
@@ -242,11 +246,13 @@ class PrefixCache:
                 cached.stats.record(now)
 
     # --- called by the block pool ---------------------------------------------------------------------
-    def on_release(self, block_id: int) -> None:
-        """The block's last owner left: it becomes evictable."""
-        cached = self._by_block[block_id]
-        self._evictor.add(block_id, self.policy.priority(cached.stats), cached.stats.depth,
-                          cached.block_hash in self._pin_counts)
+    def on_release_many(self, block_ids: Sequence[int]) -> None:
+        """These blocks' last owners left: they become evictable, in this order."""
+        by_block, priority, pinned, add = self._by_block, self.policy.priority, self._pin_counts, self._evictor.add
+        for block_id in block_ids:
+            cached = by_block[block_id]
+            stats = cached.stats
+            add(block_id, priority(stats), stats.depth, cached.block_hash in pinned)
 
     def on_acquire(self, block_id: int) -> None:
         """A request takes an evictable cached block back (a hit)."""
