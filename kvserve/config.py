@@ -192,8 +192,11 @@ class CacheConfig:
                                                      "the GPU cache evicts it), write-through (once it is full; its "
                                                      "eviction then copies nothing) or selective (when evicted, if "
                                                      "at least --kv-host-min-uses requests used it); default "
-                                                     "write-back, write-through with a disk or remote KV tier (so a "
-                                                     "restart or another replica finds every block)",
+                                                     "write-through on CUDA (a load then evicts blocks the host "
+                                                     "already holds, and shares the link with no write-back) and "
+                                                     "with a disk or remote KV tier (a restart or another replica "
+                                                     "finds every block), write-back on CPU (copies there run on "
+                                                     "the step)",
                                                choices=("write-back", "write-through", "selective"))
     kv_host_min_uses: int = _opt(2, "selective write policy: requests that must have used a block (its first "
                                     "computation included) for its eviction to copy it to the host tier", **bounds(ge=1))

@@ -35,7 +35,7 @@ from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
 from kvserve.structured.grammar import GrammarUnavailable
 from kvserve.stats import EngineStats, KVMapSnapshot, ExpertLoadStats, TenantUsage
-from kvserve.kvcache.host_tier import HostTier
+from kvserve.kvcache.host_tier import HostTier, default_write_policy
 from kvserve.kvcache.memory_pressure import HostTierSizer, PressureMonitor
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvstore import HOST_STORE, KVCacheStore
@@ -135,8 +135,11 @@ class Engine:
         if preemption_mode in ("swap", "auto") and self.host_store is None:
             raise ValueError(f"preemption_mode {preemption_mode} needs the host KV tier: kv_host_memory > 0, with "
                              f"prefix caching on")
-        policy = cache_cfg.kv_host_write_policy or (
-            "write-through" if cache_cfg.kv_disk_path or cache_cfg.kv_remote_url else "write-back")
+        policy = cache_cfg.kv_host_write_policy or default_write_policy(
+            self.device.type, bool(cache_cfg.kv_disk_path or cache_cfg.kv_remote_url))
+        if host_tier is not None:
+            logger.info("host KV tier write policy: %s%s", policy,
+                        "" if cache_cfg.kv_host_write_policy else " (the default: --kv-host-write-policy sets it)")
         self.kv_manager = KVCacheManager(num_blocks, block_size, prefix_cache, host_tier,
                                          write_through=policy == "write-through",
                                          write_back_min_uses=cache_cfg.kv_host_min_uses if policy == "selective" else 1)

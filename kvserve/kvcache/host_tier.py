@@ -2,9 +2,9 @@
 
 Blocks are addressed as in the GPU prefix cache (kvcache/prefix_cache.py): by the chained hash of
 their whole prefix in a namespace, with each block's parent hash, tokens and namespace kept and
-compared on a hit. A block reaches the host when the GPU cache evicts it (write-back: a full block is
-immutable, so one copy is enough and a block already on the host is not written again), and comes
-back into freshly allocated GPU blocks when a later request's prefix continues into it. The bytes
+compared on a hit. A block reaches the host once it is full (write-through) or when the GPU cache
+evicts it (write-back). A full block is immutable, so one copy is enough and a block already on the
+host is not written again. It comes back into freshly allocated GPU blocks when a later request's prefix continues into it. The bytes
 themselves live in a KVCacheStore on the host (kvserve/kvstore/store.py) that the worker registers;
 this class only decides which host block each copy reads or writes, and evicts least recently used.
 """
@@ -19,6 +19,15 @@ import numpy as np
 
 from kvserve.kvcache.kv_map import CACHED, FREE, HELD, OFFLINE
 from kvserve.stats import HostTierStats
+
+
+def default_write_policy(device_type: str, has_cold_tier: bool) -> str:
+    """The host tier's write policy when none is configured. Write-through with a tier below (a
+    restart or another replica then finds every block) and on CUDA, where a write-back shares the
+    link with the load that evicts its blocks (a 32k-token from-host TTFT measured about twice as
+    long: docs/kv_tiers.md#write-policies-measured-on-an-h100). Write-back on CPU, where copies run
+    on the step itself."""
+    return "write-through" if has_cold_tier or device_type == "cuda" else "write-back"
 
 
 class BlockContent(Protocol):

@@ -363,3 +363,18 @@ def test_a_write_back_says_how_deep_each_block_is_in_its_prefix():
     depth_of = {block_id: depth for depth, block_id in enumerate(table[:3])}
     assert sorted(write_back.src_block_ids) == sorted(depth_of)
     assert write_back.depths == tuple(depth_of[block_id] for block_id in write_back.src_block_ids)
+
+
+def test_the_default_write_policy_is_write_through_on_cuda_and_with_a_cold_tier():
+    from kvserve.kvcache.host_tier import default_write_policy
+    assert default_write_policy("cpu", has_cold_tier=False) == "write-back"
+    assert default_write_policy("cpu", has_cold_tier=True) == "write-through"
+    assert default_write_policy("cuda", has_cold_tier=False) == "write-through"
+
+
+def test_an_engine_without_a_configured_policy_takes_the_default_for_its_device(folder):
+    from kvserve.kvcache.host_tier import default_write_policy
+    llm = _llm(folder, host_blocks=64)
+    manager = llm.engine.kv_manager
+    expected = default_write_policy(llm.engine.device.type, has_cold_tier=False)
+    assert manager.write_through == (expected == "write-through")
