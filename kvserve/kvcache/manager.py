@@ -86,6 +86,9 @@ class _CacheState:
     sequence: HashedSequence
     num_published: int = 0              # leading table blocks already offered to the cache
     num_looked_up: int = 0              # blocks the admission lookup reported to the policy
+    # Leading table blocks that were GPU hits or loads from the host tier: the host already holds
+    # those, so write-through does not copy them back (a 32k-token load publishes 2,048 blocks).
+    num_from_cache: int = 0
 
 
 class KVCacheManager:
@@ -430,12 +433,13 @@ class KVCacheManager:
         self._extend_hashes(seq, end)
         hashes = seq.block_hashes
         written: list[BlockIdentity] = []
+        from_cache = state.num_from_cache
         for index in range(state.num_published, end):
             parent = hashes[index - 1] if index else seq.cache_root
             tokens = seq.token_ids_between(index * bs, (index + 1) * bs)
             self._touched.add(table[index])
             inserted = self.prefix_cache.insert(table[index], hashes[index], parent, tokens, seq.cache_namespace, index)
-            if inserted and self.write_through:
+            if inserted and self.write_through and index >= from_cache:
                 written.append(BlockIdentity(table[index], hashes[index], parent, tuple(tokens), seq.cache_namespace))
         self._copy_to_host(written)
         state.num_published = end
@@ -504,7 +508,8 @@ class KVCacheManager:
                 self._load_from_host(request_id, prefix.host_block_ids, table, tenant)
             if self.prefix_cache is not None and sequence is not None:
                 # Loaded blocks are published to the GPU cache like computed ones, after the step.
-                state = self._cache_states[request_id] = _CacheState(sequence, num_published=num_device_hits)
+                state = self._cache_states[request_id] = _CacheState(sequence, num_published=num_device_hits,
+                                                                     num_from_cache=len(table))
                 if prefix is not None:
                     self.prefix_cache.record_query(prefix.num_query_tokens, num_device_hits * self.block_size)
                     state.num_looked_up = prefix.num_query_blocks

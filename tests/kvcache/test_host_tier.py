@@ -293,6 +293,30 @@ def test_write_through_copies_each_full_block_once(folder):
     assert cold == warm
 
 
+def test_write_through_does_not_offer_loaded_blocks_back_to_the_host(folder):
+    """Blocks loaded from the host are already there: publishing them to the GPU cache after the
+    load must not queue them for another write-through (a 32k-token load is 2,048 blocks of
+    bookkeeping on the step)."""
+    llm = _llm(folder, host_blocks=64, kv_host_write_policy="write-through")
+    warm = _tokens(llm, PROMPT)
+    for filler in FILLERS:
+        _tokens(llm, filler)
+    host_tier = llm.engine.kv_manager.host_tier
+    offered: list[tuple[int, ...]] = []
+    store_many = host_tier.store_many
+
+    def recording_store_many(blocks, *args, **kwargs):
+        offered.extend(tuple(block.token_ids) for block in blocks)
+        return store_many(blocks, *args, **kwargs)
+
+    host_tier.store_many = recording_store_many
+    assert _tokens(llm, PROMPT) == warm
+    assert llm.engine.make_stats().kv_cache.host.hit_tokens == 10 * BLOCK
+    loaded = {tuple(PROMPT[i * BLOCK:(i + 1) * BLOCK]) for i in range(10)}
+    assert offered, "the request's new full blocks are still written through"
+    assert not loaded & set(offered)
+
+
 def test_selective_writes_back_only_blocks_used_often_enough(folder):
     """selective (min uses 2): a prompt used once is not copied when evicted, so it is recomputed;
     one used twice is copied and comes back from the host."""
