@@ -3,7 +3,7 @@
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir [REST_PART=1|2] bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
 #   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [hostloadpair] [overload] [multiturn] [coldtiers] [press] [presstier]
-#   [structured] [bandwidth] [blockcopy] [hostloadkernel]
+#   [structured] [bandwidth] [blockcopy] [hostloadkernel] [hostloadpath]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -147,6 +147,23 @@ if [[ $what == *" hostloadkernel "* ]]; then   # host_load_bench with torch copi
         --kv-host-memory 24GiB --kv-host-write-policy $policy --repeats 2 --load-phases 2 --phase-steps 20 \
         --json "$OUT/h200_host_load_kernel_$tag.json" > "$OUT/h200_host_load_kernel_$tag.log" 2>&1
       echo "== kernel $kernel $policy"; grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_kernel_$tag.log" | cut -c1-600
+    done
+  done
+fi
+if [[ $what == *" hostloadpath "* ]]; then   # host_load_bench (write-through, the kernel on): a load alone from long
+  # runs of host rows by the copy engine (KVSERVE_LOAD_COPY_ENGINE=1, the default) against the kernel for every
+  # load (0), alternating, PATH_ROUNDS times; the load-path tests on CUDA first
+  timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/worker/test_kv_transfer.py \
+    > "$OUT/gpu_tests_load_path.log" 2>&1
+  tail -3 "$OUT/gpu_tests_load_path.log"
+  for round in $(seq 1 ${PATH_ROUNDS:-2}); do
+    for engine in 1 0; do
+      KVSERVE_LOAD_COPY_ENGINE=$engine timeout 140 python3 benchmarks/kv/host_load_bench.py \
+        --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB \
+        --kv-host-memory 24GiB --kv-host-write-policy write-through --repeats 3 --load-phases 2 --phase-steps 20 \
+        --json "$OUT/h200_host_load_copy_engine_${engine}_$round.json" > "$OUT/h200_host_load_copy_engine_${engine}_$round.log" 2>&1
+      echo "== copy engine $engine round $round"
+      grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_copy_engine_${engine}_$round.log" | cut -c1-420
     done
   done
 fi

@@ -70,6 +70,7 @@ class TransferStats:
     load_buckets: tuple[tuple[float, int], ...]    # (upper bound in seconds, loads in that bucket alone)
     write_back_blocks_dropped: int   # blocks not written back under back-pressure (too many write-back bytes in flight)
     copy_failures: int           # copies that raised: a load recomputes, a write-back is forgotten
+    loads_by_copy_engine: int = 0    # loads issued as memcpys + scatters where the block-copy kernel runs
 
 
 @dataclass(frozen=True)

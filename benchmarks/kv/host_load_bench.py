@@ -113,6 +113,7 @@ def _ttft(engine, args, prompt, capacity, one, results) -> None:
                        "cold_over_host": statistics.median(cold) / statistics.median(host),
                        "last_loaded_tokens": loaded,
                        "mean_load_s": transfers.load_seconds / max(transfers.loads, 1),
+                       "loads_by_copy_engine": transfers.loads_by_copy_engine,
                        "prefix_bytes": loaded * engine.kv_bytes_per_token,
                        "runs": {"cold_s": cold, "from_host_s": host, "gpu_hit_s": gpu}}
     results["ttft"]["load_GB_per_s"] = results["ttft"]["prefix_bytes"] / results["ttft"]["mean_load_s"] / 1e9

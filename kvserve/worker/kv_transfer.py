@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -76,6 +76,30 @@ LINK_PROGRAMS_BESIDE_A_BATCH = 4
 # host rows) or by the kernel (one launch, writing the rows from SMs). Stores to host memory from
 # SMs slowed a GEMM beside them far more than the copy engine did (benchmarks/kv/block_copy_bench.py).
 PUT_WITH_KERNEL = False
+# A load that runs alone on the GPU and whose host rows lie in long runs goes by the copy engine
+# (one memcpy per run into a staging slot, then a scatter into the blocks): on an H100 a contiguous
+# pinned memcpy reached 54.6 GB/s where the kernel plateaued at 45 (block_copy_bench, 2026-12-07),
+# and a 32k-token load is most of a from-host TTFT. Beside a batch the kernel stays: the copy path's
+# few hundred launches would land on the step's host time. So would scattered host rows (one memcpy
+# per block): the path needs runs of at least this many blocks on average.
+COPY_ENGINE_MIN_MEAN_RUN = 8
+
+
+def mean_run_length(ids: Sequence[int]) -> float:
+    """Blocks per run of consecutive ids (one memcpy each on the copy-engine path)."""
+    if not ids:
+        return 0.0
+    breaks = sum(1 for previous, current in zip(ids, ids[1:]) if current != previous + 1)
+    return len(ids) / (breaks + 1)
+
+
+def load_by_copy_engine(host_ids: Sequence[int], beside_a_batch: bool, kernel_runs: bool,
+                        copy_engine_allowed: bool = True) -> bool:
+    """Whether a load from these host rows goes by memcpys + scatters rather than the block-copy
+    kernel (without the kernel, always; see COPY_ENGINE_MIN_MEAN_RUN)."""
+    if not kernel_runs:
+        return True
+    return copy_engine_allowed and not beside_a_batch and mean_run_length(host_ids) >= COPY_ENGINE_MIN_MEAN_RUN
 
 
 def block_copy_kernel(device: torch.device) -> Optional[Callable[..., None]]:
@@ -122,7 +146,8 @@ class _Pending:
 class KVTransfers:
     def __init__(self, stores: dict[str, KVCacheStore], device: torch.device,
                  max_write_back_bytes: int = DEFAULT_MAX_WRITE_BACK_BYTES,
-                 staging_bytes: int = DEVICE_STAGING_BYTES, use_kernel: Optional[bool] = None) -> None:
+                 staging_bytes: int = DEVICE_STAGING_BYTES, use_kernel: Optional[bool] = None,
+                 copy_engine_loads: Optional[bool] = None) -> None:
         self.stores = stores                # shared with the runner: tiers register into it
         self.device = device
         self.max_write_back_bytes = max_write_back_bytes
@@ -153,6 +178,11 @@ class KVTransfers:
         self.write_back_blocks_dropped = 0
         self._load_programs = LINK_PROGRAMS
         self.copy_failures = 0
+        # Loads alone from long runs of host rows by the copy engine (load_by_copy_engine), unless off.
+        self._copy_engine_loads = (envs.KVSERVE_LOAD_COPY_ENGINE.is_on() if copy_engine_loads is None
+                                   else copy_engine_loads)
+        self._beside_a_batch = False
+        self.loads_by_copy_engine = 0      # issued on the copy-engine path (the rest by the kernel)
 
     # --- issuing ------------------------------------------------------------------------------
     def run(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> None:
@@ -161,6 +191,7 @@ class KVTransfers:
         if not copies:
             return
         self._load_programs = LINK_PROGRAMS_BESIDE_A_BATCH if beside_a_batch else LINK_PROGRAMS
+        self._beside_a_batch = beside_a_batch
         outs = [copy for copy in copies if copy.destination != DEVICE_STORE]
         ins = [copy for copy in copies if copy.destination == DEVICE_STORE]
         # This step's load destinations: blocks evicted to make room for them.
@@ -360,8 +391,11 @@ class KVTransfers:
         return pending
 
     def _copy_in(self, copy: BlockCopy, source: KVCacheStore, destination: KVCacheStore, nbytes: int) -> _Pending:
-        if self.kernel is not None:
+        if not load_by_copy_engine(copy.src_block_ids, self._beside_a_batch, self.kernel is not None,
+                                   self._copy_engine_loads):
             return self._copy_in_kernel(copy, source, destination, nbytes)
+        if self.kernel is not None:
+            self.loads_by_copy_engine += 1
         # Two streams, so the link moves slot k + 1 while slot k is scattered into its blocks.
         main, copier, scatterer = torch.cuda.current_stream(self.device), self.load_stream, self.scatter_stream
         ring = self._ring("in", destination)
@@ -482,4 +516,4 @@ class KVTransfers:
     def make_stats(self) -> TransferStats:
         return TransferStats(self.bytes_to_device, self.bytes_to_host, self.loads, self.load_seconds,
                              tuple(zip(LOAD_SECONDS_BUCKETS, self._load_buckets)), self.write_back_blocks_dropped,
-                             self.copy_failures)
+                             self.copy_failures, self.loads_by_copy_engine)

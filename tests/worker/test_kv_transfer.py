@@ -192,18 +192,37 @@ def test_a_write_back_past_the_bound_keeps_its_first_blocks_and_drops_the_rest()
     assert torch.equal(host.read_blocks([2, 4]), device.read_blocks([5, 7]))
 
 
+# The ways of moving blocks on a GPU, as KVTransfers options: torch copies only; the Triton
+# block-copy kernel for every copy; the kernel with loads alone from long runs of host rows by the
+# copy engine (the default where triton imports).
+_PATHS = {"torch": dict(use_kernel=False), "kernel": dict(use_kernel=True, copy_engine_loads=False),
+          "kernel+copy-engine": dict(use_kernel=True, copy_engine_loads=True)}
+
+
 def _kernel_choices():
-    """Both ways of moving blocks on a GPU: torch copies, and the Triton block-copy kernel where triton imports."""
     from kvserve.worker.kv_transfer import block_copy_kernel
-    choices = [False]
+    choices = ["torch"]
     if torch.cuda.is_available() and block_copy_kernel(torch.device("cuda")) is not None:
-        choices.append(True)
+        choices += ["kernel", "kernel+copy-engine"]
     return choices
 
 
+def test_a_load_alone_from_long_runs_of_host_rows_takes_the_copy_engine():
+    from kvserve.worker.kv_transfer import COPY_ENGINE_MIN_MEAN_RUN, load_by_copy_engine, mean_run_length
+    run = COPY_ENGINE_MIN_MEAN_RUN
+    long_runs = list(range(100, 100 + 2 * run)) + list(range(7, 7 + 2 * run))
+    scattered = [5 * i for i in range(4 * run)]
+    assert mean_run_length(long_runs) == 2 * run and mean_run_length(scattered) == 1 and mean_run_length([]) == 0
+    assert load_by_copy_engine(long_runs, beside_a_batch=False, kernel_runs=True)
+    assert not load_by_copy_engine(long_runs, beside_a_batch=True, kernel_runs=True)
+    assert not load_by_copy_engine(scattered, beside_a_batch=False, kernel_runs=True)
+    assert not load_by_copy_engine(long_runs, beside_a_batch=False, kernel_runs=True, copy_engine_allowed=False)
+    assert load_by_copy_engine(scattered, beside_a_batch=True, kernel_runs=False)     # no kernel: copies only
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the transfer stream")
-@pytest.mark.parametrize("use_kernel", _kernel_choices())
-def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source(use_kernel):
+@pytest.mark.parametrize("path", _kernel_choices())
+def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source(path):
     from kvserve.kvstore import build_kv_cache_spec
     spec = build_kv_cache_spec(num_layers=4, num_kv_heads=4, head_dim=64, model_dtype=torch.bfloat16)
     gpu = KVCacheStore.allocate(spec, 64, 16, "cuda")
@@ -212,8 +231,8 @@ def test_cuda_copies_land_on_the_transfer_stream_and_match_the_source(use_kernel
     gpu.write_blocks(list(range(64)), data)
     # Staging for 3 blocks a slot: the copies go through the ring in many chunks.
     transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"),
-                            staging_bytes=6 * gpu.block_nbytes, use_kernel=use_kernel)
-    assert (transfers.kernel is not None) == use_kernel
+                            staging_bytes=6 * gpu.block_nbytes, **_PATHS[path])
+    assert (transfers.kernel is not None) == (path != "torch")
     out_ids, host_ids = list(range(0, 40)), [63 - i for i in range(40)]
     transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(out_ids), tuple(host_ids))])
     # The forward after the copies may overwrite the blocks at once: the gather already read them.
@@ -233,9 +252,38 @@ def _wait_landed(transfers: KVTransfers, ticket: int) -> None:
     raise AssertionError(f"copy {ticket} never landed")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the copy engine and the kernel")
+@pytest.mark.parametrize("path", [p for p in _kernel_choices() if p != "torch"])
+def test_cuda_loads_take_the_copy_engine_only_alone_and_from_long_runs(path):
+    """With the kernel, a load alone from consecutive host rows goes by memcpys + scatters (where
+    allowed), the same load beside a batch or from scattered rows by the kernel; each lands the
+    host's bytes."""
+    from kvserve.kvstore import build_kv_cache_spec
+    spec = build_kv_cache_spec(num_layers=4, num_kv_heads=4, head_dim=64, model_dtype=torch.bfloat16)
+    count = 48
+    gpu = KVCacheStore.allocate(spec, 2 * count, 16, "cuda")
+    host = KVCacheStore.allocate_flat(spec, count, 16, pin_memory=True)
+    data = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
+    host.write_blocks(list(range(count)), data)
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"),
+                            staging_bytes=5 * gpu.block_nbytes, **_PATHS[path])
+    runs, scattered = tuple(range(count)), tuple((7 * i) % count for i in range(count))
+    expected = 0
+    cases = [(runs, False, path == "kernel+copy-engine"), (runs, True, False), (scattered, False, False)]
+    for ticket, (host_ids, beside_a_batch, by_copy_engine) in enumerate(cases, start=1):
+        destination = tuple(range(count, 2 * count)) if ticket % 2 else tuple(range(count))
+        gpu.write_blocks(list(destination), torch.zeros(count, gpu.block_nbytes, dtype=torch.uint8))
+        transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, host_ids, destination, LOAD, ticket=ticket)],
+                      beside_a_batch=beside_a_batch)
+        expected += by_copy_engine
+        assert transfers.make_stats().loads_by_copy_engine == expected, (host_ids[:3], beside_a_batch)
+        _wait_landed(transfers, ticket)
+        assert torch.equal(gpu.read_blocks(list(destination)), data[list(host_ids)])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the write and load streams")
-@pytest.mark.parametrize("use_kernel", _kernel_choices())
-def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(use_kernel):
+@pytest.mark.parametrize("path", _kernel_choices())
+def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(path):
     """Writes and loads run on streams of their own; a host block is still written and read in
     issue order (a load waits for the write that fills it, a write for the load still reading it),
     and a block evicted and loaded into in one step is gathered before the load overwrites it.
@@ -247,7 +295,7 @@ def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(use
     host = KVCacheStore.allocate_flat(spec, 2 * count, 16, pin_memory=True)
     first = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
     second = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
-    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"), use_kernel=use_kernel)
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"), **_PATHS[path])
     ids, spare, third = tuple(range(count)), tuple(range(count, 2 * count)), tuple(range(2 * count, 3 * count))
     stall = 200_000_000                     # GPU cycles: ~0.1 s
 
