@@ -151,13 +151,14 @@ if [[ $what == *" hostloadkernel "* ]]; then   # host_load_bench with torch copi
   done
 fi
 if [[ $what == *" hostloadpath "* ]]; then   # host_load_bench (write-through, the kernel on): a load alone from long
-  # runs of host rows by the copy engine (KVSERVE_LOAD_COPY_ENGINE=1, the default) against the kernel for every
-  # load (0), alternating, PATH_ROUNDS times; the load-path tests on CUDA first
+  # runs of host rows by the copy engine under each KVSERVE_LOAD_COPY_ENGINE mode in PATH_MODES (alone, the
+  # default; never: the kernel for every load; always: beside a batch too), alternating, PATH_ROUNDS times;
+  # the load-path tests on CUDA first
   timeout 120 python3 -m pytest -q -rfEs -p no:cacheprovider tests/worker/test_kv_transfer.py \
     > "$OUT/gpu_tests_load_path.log" 2>&1
   tail -3 "$OUT/gpu_tests_load_path.log"
   for round in $(seq 1 ${PATH_ROUNDS:-2}); do
-    for engine in 1 0; do
+    for engine in ${PATH_MODES:-alone never always}; do
       KVSERVE_LOAD_COPY_ENGINE=$engine timeout 140 python3 benchmarks/kv/host_load_bench.py \
         --model benchmarks/configs/r1-distill-qwen-7b --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB \
         --kv-host-memory 24GiB --kv-host-write-policy write-through --repeats 3 --load-phases 2 --phase-steps 20 \

@@ -40,9 +40,9 @@ KVSERVE_PDL = EnvVar("KVSERVE_PDL", "1", "0: launch the Triton kernels without p
 KVSERVE_BLOCK_COPY_KERNEL = EnvVar("KVSERVE_BLOCK_COPY_KERNEL", "1",
                                    "0: move KV blocks to and from the host tier with torch copies, not the Triton "
                                    "block-copy kernel")
-KVSERVE_LOAD_COPY_ENGINE = EnvVar("KVSERVE_LOAD_COPY_ENGINE", "1",
-                                  "0: every load from the host tier goes by the block-copy kernel, also one that "
-                                  "runs alone from long runs of host rows (those take the copy engine)")
+KVSERVE_LOAD_COPY_ENGINE = EnvVar("KVSERVE_LOAD_COPY_ENGINE", "alone",
+                                  "which loads from long runs of host rows go by the copy engine rather than the "
+                                  "block-copy kernel: alone (those in a step without a batch), always, never")
 KVSERVE_API_KEY = EnvVar("KVSERVE_API_KEY", "", "the server's API key when --api-key is not given")
 KVSERVE_ADMIN_API_KEY = EnvVar("KVSERVE_ADMIN_API_KEY", "",
                                "the server's admin key (GET /v1/usage) when --admin-api-key is not given")

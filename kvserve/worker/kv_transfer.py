@@ -93,13 +93,20 @@ def mean_run_length(ids: Sequence[int]) -> float:
     return len(ids) / (breaks + 1)
 
 
+# Which loads from long runs of host rows take the copy engine where the kernel runs
+# (KVSERVE_LOAD_COPY_ENGINE): those in a step without a batch, all of them, or none.
+COPY_ENGINE_MODES = ("alone", "always", "never")
+
+
 def load_by_copy_engine(host_ids: Sequence[int], beside_a_batch: bool, kernel_runs: bool,
-                        copy_engine_allowed: bool = True) -> bool:
+                        mode: str = "alone") -> bool:
     """Whether a load from these host rows goes by memcpys + scatters rather than the block-copy
-    kernel (without the kernel, always; see COPY_ENGINE_MIN_MEAN_RUN)."""
+    kernel (without the kernel, always; see COPY_ENGINE_MIN_MEAN_RUN and COPY_ENGINE_MODES)."""
     if not kernel_runs:
         return True
-    return copy_engine_allowed and not beside_a_batch and mean_run_length(host_ids) >= COPY_ENGINE_MIN_MEAN_RUN
+    if mode == "never" or (mode == "alone" and beside_a_batch):
+        return False
+    return mean_run_length(host_ids) >= COPY_ENGINE_MIN_MEAN_RUN
 
 
 def block_copy_kernel(device: torch.device) -> Optional[Callable[..., None]]:
@@ -147,7 +154,7 @@ class KVTransfers:
     def __init__(self, stores: dict[str, KVCacheStore], device: torch.device,
                  max_write_back_bytes: int = DEFAULT_MAX_WRITE_BACK_BYTES,
                  staging_bytes: int = DEVICE_STAGING_BYTES, use_kernel: Optional[bool] = None,
-                 copy_engine_loads: Optional[bool] = None) -> None:
+                 copy_engine_loads: Optional[str] = None) -> None:
         self.stores = stores                # shared with the runner: tiers register into it
         self.device = device
         self.max_write_back_bytes = max_write_back_bytes
@@ -178,9 +185,11 @@ class KVTransfers:
         self.write_back_blocks_dropped = 0
         self._load_programs = LINK_PROGRAMS
         self.copy_failures = 0
-        # Loads alone from long runs of host rows by the copy engine (load_by_copy_engine), unless off.
-        self._copy_engine_loads = (envs.KVSERVE_LOAD_COPY_ENGINE.is_on() if copy_engine_loads is None
-                                   else copy_engine_loads)
+        # Which loads from long runs of host rows go by the copy engine (load_by_copy_engine).
+        self._copy_engine_loads = envs.KVSERVE_LOAD_COPY_ENGINE.get() if copy_engine_loads is None else copy_engine_loads
+        if self._copy_engine_loads not in COPY_ENGINE_MODES:
+            raise ValueError(f"KVSERVE_LOAD_COPY_ENGINE must be one of {', '.join(COPY_ENGINE_MODES)}, "
+                             f"got {self._copy_engine_loads!r}")
         self._beside_a_batch = False
         self.loads_by_copy_engine = 0      # issued on the copy-engine path (the rest by the kernel)
 
@@ -424,7 +433,11 @@ class KVTransfers:
                 for event in {id(e): e for e in (gathered.get(b) for b in dst_ids[start:end]) if e is not None}.values():
                     scatterer.wait_event(event)
             with torch.cuda.stream(scatterer):
-                destination.scatter_bytes(dst_index[start:end], rows)
+                if self.kernel is not None:     # one launch a slot, not one copy per layer tensor
+                    self.kernel(destination.pieces, torch.tensor(dst_ids[start:end], dtype=torch.long), [slot],
+                                torch.arange(end - start), ring.blocks_per_slot, to_rows=False)
+                else:
+                    destination.scatter_bytes(dst_index[start:end], rows)
             ring.release(slot_index, scatterer)
         done = torch.cuda.Event(enable_timing=True)
         done.record(scatterer)

@@ -195,15 +195,16 @@ def test_a_write_back_past_the_bound_keeps_its_first_blocks_and_drops_the_rest()
 # The ways of moving blocks on a GPU, as KVTransfers options: torch copies only; the Triton
 # block-copy kernel for every copy; the kernel with loads alone from long runs of host rows by the
 # copy engine (the default where triton imports).
-_PATHS = {"torch": dict(use_kernel=False), "kernel": dict(use_kernel=True, copy_engine_loads=False),
-          "kernel+copy-engine": dict(use_kernel=True, copy_engine_loads=True)}
+_PATHS = {"torch": dict(use_kernel=False), "kernel": dict(use_kernel=True, copy_engine_loads="never"),
+          "kernel+copy-engine": dict(use_kernel=True, copy_engine_loads="alone"),
+          "kernel+copy-engine-always": dict(use_kernel=True, copy_engine_loads="always")}
 
 
 def _kernel_choices():
     from kvserve.worker.kv_transfer import block_copy_kernel
     choices = ["torch"]
     if torch.cuda.is_available() and block_copy_kernel(torch.device("cuda")) is not None:
-        choices += ["kernel", "kernel+copy-engine"]
+        choices += ["kernel", "kernel+copy-engine", "kernel+copy-engine-always"]
     return choices
 
 
@@ -216,7 +217,9 @@ def test_a_load_alone_from_long_runs_of_host_rows_takes_the_copy_engine():
     assert load_by_copy_engine(long_runs, beside_a_batch=False, kernel_runs=True)
     assert not load_by_copy_engine(long_runs, beside_a_batch=True, kernel_runs=True)
     assert not load_by_copy_engine(scattered, beside_a_batch=False, kernel_runs=True)
-    assert not load_by_copy_engine(long_runs, beside_a_batch=False, kernel_runs=True, copy_engine_allowed=False)
+    assert not load_by_copy_engine(long_runs, beside_a_batch=False, kernel_runs=True, mode="never")
+    assert load_by_copy_engine(long_runs, beside_a_batch=True, kernel_runs=True, mode="always")
+    assert not load_by_copy_engine(scattered, beside_a_batch=True, kernel_runs=True, mode="always")
     assert load_by_copy_engine(scattered, beside_a_batch=True, kernel_runs=False)     # no kernel: copies only
 
 
@@ -269,7 +272,8 @@ def test_cuda_loads_take_the_copy_engine_only_alone_and_from_long_runs(path):
                             staging_bytes=5 * gpu.block_nbytes, **_PATHS[path])
     runs, scattered = tuple(range(count)), tuple((7 * i) % count for i in range(count))
     expected = 0
-    cases = [(runs, False, path == "kernel+copy-engine"), (runs, True, False), (scattered, False, False)]
+    cases = [(runs, False, path != "kernel"), (runs, True, path == "kernel+copy-engine-always"),
+             (scattered, False, False)]
     for ticket, (host_ids, beside_a_batch, by_copy_engine) in enumerate(cases, start=1):
         destination = tuple(range(count, 2 * count)) if ticket % 2 else tuple(range(count))
         gpu.write_blocks(list(destination), torch.zeros(count, gpu.block_nbytes, dtype=torch.uint8))
