@@ -27,7 +27,8 @@ With the block-copy kernel (kvserve/kernels/triton/block_copy.py; on CUDA when t
 KVSERVE_BLOCK_COPY_KERNEL=0) each of those moves is one launch instead of one torch copy per piece and
 per run of host rows: a load is one kernel on the load stream that reads the pinned host rows itself
 (no staging slot, no scatter stream; it waits for the step in flight where `after_inflight` says so,
-as the scatters did), and a write-back's gather into a slot and the slot's put to the host rows are
+as the scatters did), except a load alone from long runs of host rows, which the copy engine moves
+faster (`load_by_copy_engine`: memcpys into slots, one kernel launch scattering each), and a write-back's gather into a slot and the slot's put to the host rows are
 one launch (the put by the copy engine where `PUT_WITH_KERNEL` is off). Loads run on a few SMs only
 (`LINK_PROGRAMS`, fewer beside a running batch): the link, not the SMs, bounds them, and the main
 stream's steps keep the rest.
@@ -77,11 +78,12 @@ LINK_PROGRAMS_BESIDE_A_BATCH = 4
 # SMs slowed a GEMM beside them far more than the copy engine did (benchmarks/kv/block_copy_bench.py).
 PUT_WITH_KERNEL = False
 # A load that runs alone on the GPU and whose host rows lie in long runs goes by the copy engine
-# (one memcpy per run into a staging slot, then a scatter into the blocks): on an H100 a contiguous
-# pinned memcpy reached 54.6 GB/s where the kernel plateaued at 45 (block_copy_bench, 2026-12-07),
-# and a 32k-token load is most of a from-host TTFT. Beside a batch the kernel stays: the copy path's
-# few hundred launches would land on the step's host time. So would scattered host rows (one memcpy
-# per block): the path needs runs of at least this many blocks on average.
+# (one memcpy per run into a staging slot, then one kernel launch scattering the slot): on an H100 a
+# contiguous pinned memcpy reached 54.6 GB/s where the kernel plateaued at 45 (block_copy_bench), and
+# a 32k-token load is most of a from-host TTFT. Beside a batch the kernel stays: with the copy engine
+# there, the steps that issued loads ran 2.9x slower (host_load_bench, docs/kv_tiers.md). Scattered
+# host rows (one memcpy per block) stay on the kernel too: the path needs runs of at least this many
+# blocks on average.
 COPY_ENGINE_MIN_MEAN_RUN = 8
 
 
@@ -417,11 +419,14 @@ class KVTransfers:
         self._wait_for(copier, self._last_write, copy.src_block_ids)
         started = torch.cuda.Event(enable_timing=True)
         started.record(copier)
-        with torch.cuda.stream(scatterer):
-            # Allocated on the stream that reads it: freed by Python at return, its memory must not
-            # be handed to the main stream while the scatters are still queued.
-            dst_index = destination.block_index(copy.dst_block_ids)
-        dst_ids, gathered = copy.dst_block_ids, self._gathered
+        if self.kernel is not None:
+            dst_cpu_ids = torch.tensor(copy.dst_block_ids, dtype=torch.long)    # the kernel takes CPU ids
+        else:
+            with torch.cuda.stream(scatterer):
+                # Allocated on the stream that reads it: freed by Python at return, its memory must not
+                # be handed to the main stream while the scatters are still queued.
+                dst_index = destination.block_index(copy.dst_block_ids)
+        gathered = self._gathered
         for start, end in ring.chunks(len(src_ids)):
             slot_index, slot = ring.acquire(copier)
             with torch.cuda.stream(copier):
@@ -430,12 +435,13 @@ class KVTransfers:
             copied.record(copier)
             scatterer.wait_event(copied)
             if gathered:                # blocks evicted this step: their write-back gathers them first
-                for event in {id(e): e for e in (gathered.get(b) for b in dst_ids[start:end]) if e is not None}.values():
+                chunk = copy.dst_block_ids[start:end]
+                for event in {id(e): e for e in (gathered.get(b) for b in chunk) if e is not None}.values():
                     scatterer.wait_event(event)
             with torch.cuda.stream(scatterer):
                 if self.kernel is not None:     # one launch a slot, not one copy per layer tensor
-                    self.kernel(destination.pieces, torch.tensor(dst_ids[start:end], dtype=torch.long), [slot],
-                                torch.arange(end - start), ring.blocks_per_slot, to_rows=False)
+                    self.kernel(destination.pieces, dst_cpu_ids[start:end], [slot], torch.arange(end - start),
+                                ring.blocks_per_slot, to_rows=False)
                 else:
                     destination.scatter_bytes(dst_index[start:end], rows)
             ring.release(slot_index, scatterer)
