@@ -55,7 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--skip-ttft", action="store_true", help="only part 2 (decode steps under loads)")
     parser.add_argument("--profile", default=None,
-                        help="part 2: a Chrome trace (torch.profiler) of the first phase with loads, to this file")
+                        help="part 2: a Chrome trace (torch.profiler) of the first quiet phase and the first with loads, to this file")
     parser.add_argument("--profile-ttft", action="store_true",
                         help="part 1: the host's time in one more from-host TTFT run, by function (cProfile), printed")
     add_engine_args(parser)
@@ -152,12 +152,18 @@ def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
     quiet, busy, mixed = [], [], []
+    # The GPU's side of each step: an event on the main stream after each step's work is queued.
+    # With steps launched ahead, the time between two such events is what the GPU spent on the
+    # later step when it is the bottleneck, so a slowdown here is the device's (SMs, HBM), and one
+    # only in the wall times is the host's.
+    timing_gpu = engine.device.type == "cuda"
+    gpu_marks: list = []        # (event, bucket or None)
 
     loaded_before = engine.make_stats().kv_cache.host.hit_tokens
     profiler = None
     for phase in range(2 * args.load_phases + 1):
         with_loads = phase % 2 == 1
-        if args.profile and phase == 1:             # the first phase with loads, into a Chrome trace
+        if args.profile and phase == 0:             # a quiet phase and the first with loads, into a Chrome trace
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
             profiler.start()
@@ -181,23 +187,38 @@ def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:
             with torch.profiler.record_function("step_with_loads" if with_loads and loading else "step"):
                 engine.step()
             seconds = now() - started
+            mark = torch.cuda.Event(enable_timing=True) if timing_gpu else None
+            if mark is not None:
+                mark.record()
             # A step that also computed a landed load's last tokens (a prefill chunk) is slower for
             # that work, not for the copies: only the batch's plain decode steps are compared.
             after = scheduler.requests
             # (A request admitted to load counts its blocks as computed once their copies are issued.)
             decode_only = all(rid in after and (after[rid].num_computed_tokens == before or rid in scheduler.loading)
                               for rid, before in unfinished_prompts.items())
+            bucket = None
             if with_loads and loading:
+                bucket = "busy" if decode_only else "mixed"
                 (busy if decode_only else mixed).append(seconds)
             elif not with_loads and len(scheduler.running) == args.batch:
+                bucket = "quiet"
                 quiet.append(seconds)
+            if mark is not None:
+                gpu_marks.append((mark, bucket))
             if with_loads and not scheduler.loading and not scheduler.waiting and len(scheduler.running) == args.batch:
                 break                       # every load landed and ran: back to the plain batch
+        gpu_marks.append((None, None))          # a phase boundary: no interval spans it
     for request_id in batch_ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     loaded = engine.make_stats().kv_cache.host.hit_tokens - loaded_before
+    gpu = {"quiet": [], "busy": []}
+    if timing_gpu:
+        torch.cuda.synchronize()
+        for (previous, _), (mark, bucket) in zip(gpu_marks, gpu_marks[1:]):
+            if previous is not None and mark is not None and bucket in gpu:
+                gpu[bucket].append(previous.elapsed_time(mark) / 1e3)
     results["decode_under_loads"] = {
         "batch": args.batch, "load_prefix_tokens": args.load_prefix_tokens, "loaded_tokens": loaded,
         "steps_without_loads": len(quiet), "steps_with_loads": len(busy),
@@ -207,6 +228,11 @@ def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:
         "step_s_with_loads_and_a_prefill": statistics.median(mixed) if mixed else None}
     if quiet and busy:
         results["decode_under_loads"]["slowdown"] = statistics.median(busy) / statistics.median(quiet) - 1
+    if gpu["quiet"] and gpu["busy"]:
+        results["decode_under_loads"].update({
+            "gpu_step_s_without_loads": statistics.median(gpu["quiet"]),
+            "gpu_step_s_with_loads": statistics.median(gpu["busy"]),
+            "gpu_slowdown": statistics.median(gpu["busy"]) / statistics.median(gpu["quiet"]) - 1})
     print(json.dumps(results["decode_under_loads"]))
 
     results["transfers"] = engine.make_stats().kv_cache.transfers.__dict__
