@@ -170,6 +170,10 @@ class KVTransfers:
         self.kernel = None if use_kernel is False else block_copy_kernel(device)
         if use_kernel and self.kernel is None:
             raise ValueError("the block-copy kernel needs CUDA and triton (and KVSERVE_BLOCK_COPY_KERNEL not 0)")
+        if self.kernel is not None and DEVICE_STORE in stores:
+            # Compiled now, not on the first long host hit's TTFT (block_copy.py says why).
+            from kvserve.kernels.triton.block_copy import warm_block_rows
+            warm_block_rows(stores[DEVICE_STORE].pieces)
         # Per host block, the copy in flight that last wrote it and the one that last read it.
         self._last_write: dict[int, _Pending] = {}
         self._last_read: dict[int, _Pending] = {}

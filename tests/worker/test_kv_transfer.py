@@ -285,6 +285,47 @@ def test_cuda_loads_take_the_copy_engine_only_alone_and_from_long_runs(path):
         assert torch.equal(gpu.read_blocks(list(destination)), data[list(host_ids)])
 
 
+def _compiled_block_copy_variants(forget: bool = False) -> int:
+    """The block-copy kernel's variants this process holds (`forget`: drops them first, so the next
+    launch of each variant compiles or loads it from Triton's disk cache again)."""
+    from kvserve.kernels.triton.block_copy import _block_rows_kernel
+    if forget:
+        _block_rows_kernel.device_caches.clear()
+    return sum(len(cache[0]) for cache in _block_rows_kernel.device_caches.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the block-copy kernel")
+@pytest.mark.parametrize("path", [p for p in _kernel_choices() if p not in ("torch", "kernel")])
+def test_cuda_the_block_copy_kernel_is_compiled_at_start_not_by_a_load(path):
+    """A store's kernel variants are compiled when KVTransfers is built, leaving block 0 as it was;
+    loads and write-backs of any count (1, a multiple of 16, other) by either path then compile
+    nothing (the first long host hit paid ~90 ms for it on an H100)."""
+    from kvserve.kvstore import build_kv_cache_spec
+    spec = build_kv_cache_spec(num_layers=3, num_kv_heads=2, head_dim=48, model_dtype=torch.bfloat16)
+    count = 40
+    gpu = KVCacheStore.allocate(spec, 2 * count, 16, "cuda")
+    host = KVCacheStore.allocate_flat(spec, 2 * count, 16, pin_memory=True)
+    data = torch.randint(0, 256, (2 * count, gpu.block_nbytes), dtype=torch.uint8)
+    gpu.write_blocks(list(range(2 * count)), data)
+    assert _compiled_block_copy_variants(forget=True) == 0      # earlier tests compiled them in this process
+    transfers = KVTransfers({DEVICE_STORE: gpu, HOST_STORE: host}, torch.device("cuda"),
+                            staging_bytes=7 * gpu.block_nbytes, **_PATHS[path])
+    assert torch.equal(gpu.read_blocks([0]), data[:1])
+    warmed = _compiled_block_copy_variants()
+    assert warmed > 0
+    ticket = 0
+    for size in (1, 16, 17, count):
+        for beside_a_batch in (False, True):
+            ticket += 1
+            transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, tuple(range(size)), tuple(range(size)))])
+            transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, tuple(range(size)), tuple(range(count, count + size)),
+                                     LOAD, ticket=ticket)], beside_a_batch=beside_a_batch)
+            _wait_landed(transfers, ticket)
+            assert torch.equal(gpu.read_blocks(list(range(count, count + size))), data[:size])
+    assert transfers.make_stats().loads_by_copy_engine > 0
+    assert _compiled_block_copy_variants() == warmed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the write and load streams")
 @pytest.mark.parametrize("path", _kernel_choices())
 def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(path):

@@ -34,7 +34,12 @@ _WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 CHUNK_WORDS = 1024
 
 
-@triton.jit
+# The counts are not specialised on (Triton would compile a variant for each of "1", "a multiple
+# of 16" and "other" of each): a load's block count varies with every request, and the first load
+# of a new variant paid its compile, ~90 ms on an H100, on its TTFT. The loop bounds gain nothing
+# from the hints; the addresses come from loaded values anyway. So one variant per direction and
+# word size, which `warm_block_rows` compiles at start.
+@triton.jit(do_not_specialize=["num_blocks", "num_pieces", "items_per_program", "max_words"])
 def _block_rows_kernel(meta_ptr, num_blocks, table_ptr, num_pieces, items_per_program, max_words,
                        TO_ROWS: tl.constexpr, WORD: tl.constexpr, WORD_TYPE: tl.constexpr, CHUNK: tl.constexpr):
     # meta: [2, num_blocks] int64 (row byte address, block id); table: [3, num_pieces] int64 (piece
@@ -122,3 +127,15 @@ def copy_block_rows(pieces: Sequence[torch.Tensor], block_ids: torch.Tensor, seg
     max_words = max(piece_nbytes(piece) for piece in pieces) // word
     _block_rows_kernel[(grid,)](meta, count, table, len(pieces), -(-items // grid), max_words, TO_ROWS=to_rows, WORD=word,
                                 WORD_TYPE=_WORD_TYPES[word], CHUNK=CHUNK_WORDS, num_warps=4)
+
+
+def warm_block_rows(pieces: Sequence[torch.Tensor]) -> None:
+    """Compiles the kernel's variants for a store's pieces (both directions) before the first copy
+    needs them: block 0 is gathered into a scratch row and scattered back unchanged. Synchronous;
+    for start-up."""
+    device = pieces[0].device
+    row = torch.empty(1, sum(piece_nbytes(piece) for piece in pieces), dtype=torch.uint8, device=device)
+    ids = torch.zeros(1, dtype=torch.long)
+    copy_block_rows(pieces, ids, [row], ids, 1, to_rows=True)
+    copy_block_rows(pieces, ids, [row], ids, 1, to_rows=False)
+    torch.cuda.synchronize(device)
