@@ -39,6 +39,8 @@ class HostTierStats:
     load_failures: int = 0       # loads or swaps whose copy failed: the request recomputed
     max_blocks: int = 0          # the configured size; num_blocks is less while memory pressure holds it down
     blocks_released: int = 0     # cached blocks dropped because memory pressure gave their memory back
+    loads_joined: int = 0        # requests whose hit reached blocks another request was loading: they waited
+                                 # for those to land and be published (a GPU hit) instead of loading them again
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class HostTier:
         self.blocks_evicted = 0
         self.writes_dropped = 0
         self.load_failures = 0
+        self.loads_joined = 0       # requests that waited for another's load of the same blocks (KVCacheManager)
         # With tiers below (disk, remote): the blocks written since the engine last took them, so
         # it can copy them on once their bytes have landed (engine/cold_tiers.py).
         self.record_writes = False
@@ -261,4 +262,4 @@ class HostTier:
         return HostTierStats(self.capacity, self.num_used_blocks, self.hit_tokens, self.blocks_written,
                              self.blocks_loaded, self.blocks_evicted, self.writes_dropped, self.swapped_out,
                              self.swapped_in, self.swap_failures, self.load_failures,
-                             self.num_blocks, self.blocks_released)
+                             self.num_blocks, self.blocks_released, self.loads_joined)

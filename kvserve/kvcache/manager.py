@@ -120,6 +120,13 @@ class KVCacheManager:
         self._loading: dict[str, int] = {}
         self._orphaned: dict[int, list[int]] = {}
         self._next_ticket = 0
+        # Host blocks a request is bringing in (loading, or landed and not yet published to the GPU
+        # cache) -> that request, and each such request's host ids. Another request whose hit
+        # reaches them waits for that one to publish them (a GPU hit then) rather than loading
+        # the same blocks a second time over the link into blocks of its own.
+        self._incoming: dict[int, str] = {}
+        self._incoming_of: dict[str, list[int]] = {}
+        self._waiting_for_incoming: set[str] = set()
         # GPU blocks freed, published or evicted since the last step's copies were taken: the step
         # in flight may still write or read them, so a load into one waits for it.
         self._touched: set[int] = set()
@@ -228,6 +235,24 @@ class KVCacheManager:
         """Host blocks a write-back did not fill (dropped under back-pressure, or failed)."""
         if self.host_tier is not None:
             self.host_tier.forget(host_ids)
+
+    def waits_for_incoming(self, request_id: str, prefix: Optional[PrefixHit]) -> bool:
+        """True if `prefix` reaches host blocks another request is bringing in: `request_id` should
+        wait for them to be published (counted once per request in HostTierStats.loads_joined)."""
+        if prefix is None or not prefix.host_block_ids or not self._incoming:
+            return False
+        incoming = self._incoming
+        if not any(incoming.get(host_id, request_id) != request_id for host_id in prefix.host_block_ids):
+            return False
+        if request_id not in self._waiting_for_incoming:
+            self._waiting_for_incoming.add(request_id)
+            self.host_tier.loads_joined += 1
+        return True
+
+    def _end_incoming(self, request_id: str) -> None:
+        for host_id in self._incoming_of.pop(request_id, ()):
+            if self._incoming.get(host_id) == request_id:
+                del self._incoming[host_id]
 
     def is_swapped(self, request_id: str) -> bool:
         return request_id in self._swapped
@@ -443,6 +468,8 @@ class KVCacheManager:
                 written.append(BlockIdentity(table[index], hashes[index], parent, tuple(tokens), seq.cache_namespace))
         self._copy_to_host(written)
         state.num_published = end
+        if end >= from_cache:
+            self._end_incoming(request_id)      # its loaded blocks are GPU hits now
 
     def pin_prefix(self, token_ids: Sequence[int], namespace: str, ttl_s: float) -> tuple[Pin, int]:
         """Pins the full blocks of `token_ids` in `namespace` (cached now or when computed later).
@@ -497,6 +524,7 @@ class KVCacheManager:
             return False
         if tenant is not None:
             self._tenant_of[request_id] = tenant
+        self._waiting_for_incoming.discard(request_id)
         if table is None:
             table = self._block_tables[request_id] = []
             if prefix is not None and prefix.block_ids:
@@ -540,8 +568,13 @@ class KVCacheManager:
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids, LOAD,
                            self._new_ticket(request_id, LOAD, list(host_ids)))
         table.extend(device_ids)
+        self._incoming_of[request_id] = list(host_ids)
+        for host_id in host_ids:
+            self._incoming[host_id] = request_id
 
     def free(self, request_id: str) -> None:
+        self._end_incoming(request_id)
+        self._waiting_for_incoming.discard(request_id)
         swapped = self._swapped.pop(request_id, None)
         if swapped is not None:
             self.host_tier.release(swapped[0])

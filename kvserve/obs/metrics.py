@@ -98,6 +98,7 @@ HOST_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_host_bytes_moved_total",
     f"{NAMESPACE}:kv_host_load_seconds",
     f"{NAMESPACE}:kv_host_copy_failures_total",
+    f"{NAMESPACE}:kv_host_loads_joined_total",
 )
 # Present only with a disk or remote KV tier (--kv-disk-path, --kv-remote-url; docs/kv_tiers.md),
 # one series per tier (label `tier`: disk, remote).
@@ -430,6 +431,9 @@ class _EngineStateCollector:
             moved.add_metric(values + ["to_device"], host.blocks_loaded)
             yield moved
             yield counter("kv_host_blocks_evicted", "Host KV blocks reused for newer blocks.", host.blocks_evicted)
+            yield counter("kv_host_loads_joined", "Requests whose prefix reached host blocks another request was "
+                          "loading: they waited for that load and hit the GPU cache instead of loading the blocks again.",
+                          host.loads_joined)
             transfers = snap.kv_transfers
             yield counter("kv_host_writes_dropped", "Blocks not written back to the host tier (every host block was being "
                           "read that step, or too many write-back bytes were in flight).",

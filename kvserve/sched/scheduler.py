@@ -630,6 +630,8 @@ class Scheduler:
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             looked_up = time.monotonic() if request.phases is not None else 0.0
             hit = self._lookup(request)
+            if self.kv_manager.waits_for_incoming(request.request_id, hit):
+                continue                # another request is loading these host blocks: a GPU hit once published
             num_cached = hit.num_tokens if hit is not None else 0
             if self.kv_manager.is_swapped(request.request_id):
                 num_cached = request.num_computed_tokens          # its KV comes back from the host

@@ -60,6 +60,32 @@ def test_a_prefix_evicted_to_host_comes_back_with_the_same_tokens(folder, name):
         assert warm == cold
 
 
+def test_a_second_request_on_blocks_being_loaded_waits_and_hits_the_gpu_cache(folder):
+    """Two requests that reach the same evicted prefix at once: the first loads it from the host,
+    the second waits for it to be published and hits the GPU cache, so the blocks cross the link
+    once. Both give the cold run's tokens."""
+    probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20)
+    block_bytes = probe.engine.kv_bytes_per_token * BLOCK
+    # Room for both requests loading their own copy (2 x 13 blocks), so only the wait keeps the
+    # second from loading.
+    llm = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 40,
+              kv_host_memory=block_bytes * 128, async_scheduling="off")
+    cold = _tokens(llm, PROMPT)
+    fillers = FILLERS + [[17 + (19 * i + 3 * j) % 220 for i in range(41)] for j in range(3)]
+    for filler in fillers:
+        _tokens(llm, filler)
+    stats = llm.engine.make_stats()
+    assert stats.kv_cache.host.hit_tokens == 0
+    gpu_hits_before = stats.prefix_cache.hit_tokens
+    outputs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [cold, cold]
+    stats = llm.engine.make_stats()
+    host = stats.kv_cache.host
+    assert host.hit_tokens == 10 * BLOCK and host.blocks_loaded == 10      # loaded once
+    assert host.loads_joined == 1
+    assert stats.prefix_cache.hit_tokens - gpu_hits_before == 10 * BLOCK  # the second's GPU hit
+
+
 def test_loaded_blocks_are_the_written_bytes(folder):
     """Scribbling over the host copy changes the tokens of the next hit: what comes back is what the
     host store holds, not KV that happened to survive on the GPU."""
@@ -189,7 +215,10 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
             seq = _Seq(f"r{step}", tokens)
             hit = manager.find_cached_prefix(seq)
             expected = {host_id: seq.block_hashes[len(hit.block_ids) + i] for i, host_id in enumerate(hit.host_block_ids)}
-            if manager.allocate_slots(seq.request_id, seq.num_tokens, hit, seq):
+            if rng.random() < 0.5 and manager.waits_for_incoming(seq.request_id, hit):
+                # Another request brings these host blocks in (as the scheduler would, it waits).
+                assert any(manager._incoming.get(h) in live for h in hit.host_block_ids)
+            elif manager.allocate_slots(seq.request_id, seq.num_tokens, hit, seq):
                 live[seq.request_id] = seq
         swapping_out = {host_id: request_id for request_id, (ids, _) in manager._swapped.items() for host_id in ids}
         for copy in manager.take_block_copies():
@@ -216,6 +245,7 @@ def test_no_block_leaks_under_random_allocate_evict_load(seed):
     assert (manager.num_free_blocks < num_blocks) == loading
     land(10 ** 9)
     assert manager.num_free_blocks == num_blocks
+    assert not manager._incoming and not manager._incoming_of       # nothing is being brought in
     assert tier.num_used_blocks + len(tier._free) == host_blocks
     stats = tier.make_stats()
     assert stats.blocks_loaded > 0 and stats.blocks_written > 0 and stats.swapped_in > 0
