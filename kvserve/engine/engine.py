@@ -710,12 +710,8 @@ class Engine:
         return outputs
 
     def _may_preempt(self) -> bool:
-        """Whether this step's scheduling could run out of blocks: each running request may need
-        one new block, prefill chunks up to the token budget's worth."""
-        sched = self.config.scheduler_config
-        block_size = self.config.cache_config.block_size
-        needed = len(self.scheduler.running) + sched.max_num_batched_tokens // block_size + 1
-        return self.kv_manager.num_free_blocks < needed or self.scheduler.wants_priority_preemption()
+        """Whether this step's scheduling could preempt: for blocks, or for priority."""
+        return self.scheduler.may_run_out_of_blocks() or self.scheduler.wants_priority_preemption()
 
     def _grammar_bitmask(self, requests: list[Request]) -> Optional[GrammarBitmask]:
         """The runner's grammar hook: called with a step's sampled rows once its forward is queued.

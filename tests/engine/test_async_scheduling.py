@@ -92,6 +92,39 @@ def test_async_with_preemption_matches_sync(tiny_checkpoint, reference):
     assert engine.scheduler.num_preemptions_total > 0
 
 
+def test_a_step_that_preempts_for_blocks_was_foreseen_and_a_full_pool_still_launches_ahead(tiny_checkpoint):
+    """`Scheduler.may_run_out_of_blocks` bounds what the next schedule() takes: every step that
+    preempts for blocks was predicted (so no pending token is preempted), and steps in a pool with
+    fewer free blocks than the old bound (one per running request plus a whole budget of
+    prefill) still launch ahead when their requests' growth fits."""
+    folder, _ = tiny_checkpoint
+    per_token = _engine(folder, "off").kv_bytes_per_token
+    engine = _engine(folder, "on", kv_cache_memory=per_token * 96, block_size=4, max_model_len=90)
+    scheduler = engine.scheduler
+    schedule, record = scheduler.schedule, []
+
+    def watched():
+        predicted = scheduler.may_run_out_of_blocks()
+        pending = any(r.has_pending_token for r in scheduler.running)
+        free, running = engine.kv_manager.num_free_blocks, len(scheduler.running)
+        out = schedule()
+        record.append((predicted, bool(out.preempted), pending, free, running))
+        return out
+
+    scheduler.schedule = watched
+    requests = [([1] + [(7 * i + j) % 200 + 2 for i in range(10)], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                                ignore_eos=True)) for j in range(6)]
+    _run(engine, requests)
+    assert scheduler.num_preemptions_total > 0
+    assert all(predicted for predicted, preempted, _, _, _ in record if preempted)
+    assert not any(pending for _, preempted, pending, _, _ in record if preempted)
+    budget = engine.config.scheduler_config.max_num_batched_tokens
+    old_bound = lambda running: running + budget // 4 + 1      # noqa: E731
+    tight = [free for predicted, _, pending, free, running in record if pending and not predicted
+             and free < old_bound(running)]
+    assert tight, "no step ran ahead in a pool below the old bound"
+
+
 def test_penalties_fall_back_to_sync_steps(tiny_checkpoint):
     """Requests whose sampling needs host-side history run synchronous steps; mixing them in
     changes nothing for the others."""
