@@ -51,10 +51,18 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 class PrefixHit:
     """The result of a lookup: cached blocks to start the request's table with."""
     block_ids: list[int] = field(default_factory=list)        # GPU blocks
-    num_tokens: int = 0                 # (len(block_ids) + len(host_block_ids)) * block_size
+    num_tokens: int = 0                 # (len(block_ids) + len(host_block_ids) + len(tail_block_ids)) * block_size
     num_query_tokens: int = 0           # tokens the lookup was for (hit-rate denominator)
     num_query_blocks: int = 0           # full blocks of those tokens (hashes computed)
     host_block_ids: list[int] = field(default_factory=list)   # the host blocks that continue it
+    # GPU blocks cached after the host stretch (GPU, then host, then GPU again: the host holds a
+    # stretch the GPU evicted from the middle of a prefix): taken as hits after the loaded blocks.
+    tail_block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def gpu_block_ids(self) -> list[int]:
+        """Every GPU block the hit takes as it is (before and after the host stretch)."""
+        return self.block_ids + self.tail_block_ids
 
 
 @dataclass
@@ -341,9 +349,10 @@ class KVCacheManager:
         """Blocks an allocation would take from the free pool: new ones, plus cached hits that are
         evictable now (they count as free but stop being free once the request holds them)."""
         have = len(self._block_tables.get(request_id, ()))
-        if prefix is not None and prefix.block_ids and not have:
-            reused = sum(1 for b in prefix.block_ids if self.pool.ref_count(b) == 0)
-            return max(0, blocks_for_tokens(num_total_tokens, self.block_size) - len(prefix.block_ids)) + reused
+        gpu_hits = prefix.gpu_block_ids if prefix is not None and not have else []
+        if gpu_hits:
+            reused = sum(1 for b in gpu_hits if self.pool.ref_count(b) == 0)
+            return max(0, blocks_for_tokens(num_total_tokens, self.block_size) - len(gpu_hits)) + reused
         return max(0, blocks_for_tokens(num_total_tokens, self.block_size) - have)
 
     # --- prefix cache -------------------------------------------------------------------------------
@@ -440,10 +449,15 @@ class KVCacheManager:
         tokens = lambda i: seq.token_ids_between(i * bs, (i + 1) * bs)  # noqa: E731
         blocks = self.prefix_cache.lookup(seq.block_hashes, tokens, seq.cache_root, seq.cache_namespace, max_blocks)
         host: list[int] = []
+        tail: list[int] = []
         if self.host_tier is not None and len(blocks) < max_blocks:
             parent = seq.block_hashes[len(blocks) - 1] if blocks else seq.cache_root
             host = self.host_tier.lookup(seq.block_hashes, tokens, parent, seq.cache_namespace, len(blocks), max_blocks)
-        return PrefixHit(blocks, (len(blocks) + len(host)) * bs, num_tokens, num_full, host)
+            after = len(blocks) + len(host)
+            if host and after < max_blocks:
+                tail = self.prefix_cache.lookup(seq.block_hashes, tokens, seq.block_hashes[after - 1],
+                                                seq.cache_namespace, max_blocks, start=after)
+        return PrefixHit(blocks, (len(blocks) + len(host) + len(tail)) * bs, num_tokens, num_full, host, tail)
 
     def cache_full_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Publishes the request's blocks that are now full of computed tokens."""
@@ -520,7 +534,7 @@ class KVCacheManager:
         needed = self.num_new_blocks_needed(request_id, num_total_tokens, prefix)
         if needed > self.pool.num_free_blocks:
             return False
-        if not self._make_quota_room(tenant, needed, prefix.block_ids if prefix is not None else ()):
+        if not self._make_quota_room(tenant, needed, prefix.gpu_block_ids if prefix is not None else ()):
             return False
         if tenant is not None:
             self._tenant_of[request_id] = tenant
@@ -533,13 +547,18 @@ class KVCacheManager:
                 table.extend(prefix.block_ids)
             num_device_hits = len(table)
             if prefix is not None and prefix.host_block_ids:
+                # The tail is held before the load allocates: it must not be evicted to make room.
+                for block_id in prefix.tail_block_ids:
+                    self.pool.acquire_cached(block_id)
                 self._load_from_host(request_id, prefix.host_block_ids, table, tenant)
+                table.extend(prefix.tail_block_ids)
             if self.prefix_cache is not None and sequence is not None:
                 # Loaded blocks are published to the GPU cache like computed ones, after the step.
                 state = self._cache_states[request_id] = _CacheState(sequence, num_published=num_device_hits,
                                                                      num_from_cache=len(table))
                 if prefix is not None:
-                    self.prefix_cache.record_query(prefix.num_query_tokens, num_device_hits * self.block_size)
+                    self.prefix_cache.record_query(
+                        prefix.num_query_tokens, (num_device_hits + len(prefix.tail_block_ids)) * self.block_size)
                     state.num_looked_up = prefix.num_query_blocks
                     self.prefix_cache.observe_lookup(sequence.block_hashes[:prefix.num_query_blocks])
         new = blocks_for_tokens(num_total_tokens, self.block_size) - len(table)

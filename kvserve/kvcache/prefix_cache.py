@@ -175,11 +175,12 @@ class PrefixCache:
 
     # --- index --------------------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[bytes], block_tokens: Callable[[int], Sequence[int]], root: bytes,
-               namespace: str, max_blocks: int) -> list[int]:
-        """Block ids of the longest verified cached prefix (at most `max_blocks`). No side effects."""
+               namespace: str, max_blocks: int, start: int = 0) -> list[int]:
+        """Block ids of the longest verified cached run from block index `start` (whose parent is
+        `root`: the namespace's root at 0) up to index `max_blocks`. No side effects."""
         blocks: list[int] = []
         parent = root
-        for index in range(min(max_blocks, len(block_hashes))):
+        for index in range(start, min(max_blocks, len(block_hashes))):
             cached = self._by_hash.get(block_hashes[index])
             if (cached is None or cached.parent_hash != parent or cached.namespace != namespace
                     or cached.token_ids != tuple(block_tokens(index))):

@@ -680,7 +680,7 @@ class Scheduler:
             if held is not None and needed + self.reservations.protected_from(
                     request.qos_class, held, class_work) > self.kv_manager.num_free_blocks:
                 continue                # it would take another class's reservation: it waits
-            if self.kv_manager.quota_shortfall(request.tenant, needed, hit.block_ids if hit is not None else ()):
+            if self.kv_manager.quota_shortfall(request.tenant, needed, hit.gpu_block_ids if hit is not None else ()):
                 continue                # its tenant is at its KV quota: it waits, others may go
             if not self.kv_manager.allocate_slots(request.request_id, kv_base + num_new, hit,
                                                   request if caching else None, tenant=request.tenant):
@@ -715,7 +715,7 @@ class Scheduler:
         """A traced request admitted: its lookup across the tiers, the end of its wait, and the
         start of the copy that brings its KV in from the host (a prefix hit or a swap-in)."""
         recorder, now = request.phases, time.monotonic()
-        gpu_blocks = len(hit.block_ids) if hit is not None else 0
+        gpu_blocks = len(hit.gpu_block_ids) if hit is not None else 0
         host_blocks = len(hit.host_block_ids) if hit is not None else 0
         recorder.add(phases.TIER_LOOKUP, looked_up, now, gpu_blocks=gpu_blocks, host_blocks=host_blocks,
                      query_tokens=hit.num_query_tokens if hit is not None else 0, cached_tokens=num_cached)

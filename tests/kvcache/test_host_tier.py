@@ -86,6 +86,30 @@ def test_a_second_request_on_blocks_being_loaded_waits_and_hits_the_gpu_cache(fo
     assert stats.prefix_cache.hit_tokens - gpu_hits_before == 10 * BLOCK  # the second's GPU hit
 
 
+def test_a_prefix_cached_on_the_gpu_again_after_a_host_stretch_is_hit_past_it(folder):
+    """GPU, then host, then GPU: with a stretch from the middle of a cached prefix evicted to the
+    host (a tenant's quota eviction keeps the blocks a hit needs and takes others), a later hit
+    takes the head from the GPU, loads the stretch and takes the tail from the GPU too, instead of
+    recomputing the tail; the tokens are the cold run's."""
+    probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20)
+    block_bytes = probe.engine.kv_bytes_per_token * BLOCK
+    llm = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 40,
+              kv_host_memory=block_bytes * 64, async_scheduling="off")
+    cold = _tokens(llm, PROMPT)
+    manager = llm.engine.kv_manager
+    cache = manager.prefix_cache
+    by_tokens = {cached.token_ids: block_id for block_id, cached in cache._by_block.items()}
+    prompt_blocks = [by_tokens[tuple(PROMPT[i * BLOCK:(i + 1) * BLOCK])] for i in range(10)]
+    middle = prompt_blocks[3:6]
+    assert manager.pool.evict_own(None, 3, keep=set(cache._by_block) - set(middle)) == 3
+    stats = llm.engine.make_stats()
+    gpu_hits_before = stats.prefix_cache.hit_tokens
+    assert _tokens(llm, PROMPT) == cold
+    stats = llm.engine.make_stats()
+    assert stats.kv_cache.host.hit_tokens == 3 * BLOCK                    # the stretch, loaded
+    assert stats.prefix_cache.hit_tokens - gpu_hits_before == 7 * BLOCK    # head and tail, as they were
+
+
 def test_loaded_blocks_are_the_written_bytes(folder):
     """Scribbling over the host copy changes the tokens of the next hit: what comes back is what the
     host store holds, not KV that happened to survive on the GPU."""
