@@ -3,7 +3,7 @@
 # their copies in benchmarks/results/<topic>/ are; benchmarks/results/README.md says which backs what).
 # Usage on the GPU machine: OUT=/some/dir [REST_PART=1|2] bash benchmarks/gpu_run.sh [gguf-part-a] [tests] [gputests] [bench] [attn]
 #   [bench8b] [offline] [profile] [serve] [kvquant] [hosttier] [hostloadpair] [overload] [multiturn] [coldtiers] [press] [presstier]
-#   [structured] [bandwidth] [blockcopy] [hostloadkernel] [hostloadpath]
+#   [structured] [bandwidth] [blockcopy] [hostloadkernel] [hostloadpath] [decodepair] [attnbeside]
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 what=" ${*:-tests bench attn} "
@@ -177,6 +177,23 @@ if [[ $what == *" hostloadpair "* ]]; then   # host_load_bench, this tree agains
         --json "$OUT/h200_host_load_pair_${side}_$round.json" > "$OUT/h200_host_load_pair_${side}_$round.log" 2>&1
       echo "== $side $round"; grep -E "^ttft|slowdown|Error" "$OUT/h200_host_load_pair_${side}_$round.log" | cut -c1-400
     done
+  done
+fi
+if [[ $what == *" decodepair "* ]]; then   # decode steps beside loads only (write-through), this tree against
+  # $OLD_SRC (e.g. `mkdir old && git archive COMMIT kvserve | tar -x -C old`, carried), new / old / new ...
+  for side in ${DECODE_SIDES:-new old new}; do
+    root=$PWD; [[ $side == old ]] && root=$OLD_SRC
+    PYTHONPATH=$root:$PYTHONPATH timeout 90 python3 benchmarks/kv/host_load_bench.py --model benchmarks/configs/r1-distill-qwen-7b \
+      --load-format dummy --dtype bfloat16 --kv-cache-memory 3GiB --kv-host-memory 24GiB --kv-host-write-policy write-through \
+      --skip-ttft --load-phases 3 --phase-steps 20 --json "$OUT/h200_decode_beside_loads_${side}_$RANDOM.json" \
+      > "$OUT/h200_decode_beside_loads_$side.log" 2>&1
+    echo "== $side"; grep -E "slowdown|Error" "$OUT/h200_decode_beside_loads_$side.log" | cut -c1-700
+  done
+fi
+if [[ $what == *" attnbeside "* ]]; then   # the decode attention kernel alone and beside each kind of host copy
+  for context in 512 2048; do
+    timeout 60 python3 benchmarks/kv/attention_beside_copy_bench.py --context $context \
+      --json "$OUT/h200_attention_beside_copy_ctx$context.json" 2>&1 | tail -5 | cut -c1-300
   done
 fi
 if [[ $what == *" overload "* ]]; then   # swap / auto / recompute preemption under overload
