@@ -153,9 +153,9 @@ def _decode_under_loads(engine, args, prompt, capacity, one, results) -> None:
         engine.step()
     quiet, busy, mixed = [], [], []
     # The GPU's side of each step: an event on the main stream after each step's work is queued.
-    # With steps launched ahead, the time between two such events is what the GPU spent on the
-    # later step when it is the bottleneck, so a slowdown here is the device's (SMs, HBM), and one
-    # only in the wall times is the host's.
+    # The time between two such events is the GPU's work on the later step plus any time it waited
+    # for the host (a step that ran synchronously), so a slowdown here and not in the wall times
+    # is the device's (SMs, HBM); one in the wall times only is the host's.
     timing_gpu = engine.device.type == "cuda"
     gpu_marks: list = []        # (event, bucket or None)
 

@@ -284,13 +284,15 @@ class Scheduler:
 
     def may_run_out_of_blocks(self) -> bool:
         """Whether growing the running requests in the next schedule() could fail and preempt one
-        (the engine then reads back a pending token first). The blocks that schedule()'s running
+        (the engine then reads back a pending token first): the blocks that schedule()'s running
         loop would ask for, in its order and under the step's token budget, against the free
-        blocks; or a tenant that would go past its KV quota. The bound before this counted a block
-        per running request plus a whole budget of prefill, and a pool held by loads in flight
-        (4 x 512 blocks beside a 32-request batch) fell under it, so every such step ran
-        synchronously."""
+        blocks; or a tenant that would go past its KV quota."""
+        kv = self.kv_manager
         budget = self.step_token_budget()
+        # No request grows by more than a block plus its chunk's blocks, and the chunks share the
+        # budget: with that many free and no quotas, the walk below is not needed (the hot path).
+        if not kv.tenant_kv_quotas and kv.num_free_blocks > len(self.running) + budget // kv.block_size:
+            return False
         chunked = self.config.enable_chunked_prefill
         needed = 0
         by_tenant: dict[Optional[str], int] = {}
@@ -303,13 +305,12 @@ class Scheduler:
             if not chunked and num_new > budget:
                 continue
             num_new = min(num_new, budget)
-            grow = self.kv_manager.num_new_blocks_needed(request.request_id, request.num_kv_tokens + num_new)
+            grow = kv.num_new_blocks_needed(request.request_id, request.num_kv_tokens + num_new)
             if grow:
                 by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + grow
             needed += grow
             budget -= num_new
-        return needed > self.kv_manager.num_free_blocks or any(
-            self.kv_manager.quota_shortfall(tenant, grow) for tenant, grow in by_tenant.items())
+        return needed > kv.num_free_blocks or any(kv.quota_shortfall(tenant, grow) for tenant, grow in by_tenant.items())
 
     def wants_priority_preemption(self) -> bool:
         """Whether the next schedule() may preempt for priority (the engine then reads back a
