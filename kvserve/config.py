@@ -269,8 +269,8 @@ class CacheConfig:
     kv_quant_key_layout: str = _opt("auto", "how quantized keys are scaled: channel (int4 only: an fp16 scale and "
                                             "zero point per channel, KV head and block, re-encoded as the block "
                                             "fills; needs no full-precision window), token (scales per token and "
-                                            "group, as values); auto = token until the pipelined decode kernel reads "
-                                            "per-channel keys", choices=("auto", "token", "channel"))
+                                            "group, as values); auto = channel for int4 keys with dynamic scales "
+                                            "and no error feedback, else token", choices=("auto", "token", "channel"))
     kv_error_feedback: bool = _opt(False, "carry each token's KV quantization residual into the next token's")
     kv_scales_file: Optional[str] = _opt(None, "static per-channel KV scales from `kvserve calibrate` "
                                                "(replaces dynamic per-token scales)")

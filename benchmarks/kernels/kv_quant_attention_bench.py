@@ -38,12 +38,18 @@ FORMATS = {
     "bf16": {"kv_cache_dtype": "bf16"},
     "int8": {"kv_cache_dtype": "int8"},
     "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
-    "int4-g32": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0, "kv_quant_sinks": 0},
+    # int4 with keys per token (scales per group of 32-128, as the values), with or without a window.
+    "int4-g32": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 0, "kv_quant_sinks": 0,
+                 "kv_quant_key_layout": "token"},
     "int4-g32-w128-s4": {"kv_cache_dtype": "int4", "kv_quant_group_size": 32, "kv_quant_window": 128,
-                         "kv_quant_sinks": 4},
-    "int4-g64": {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0},
-    "int4-g128": {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0},
+                         "kv_quant_sinks": 4, "kv_quant_key_layout": "token"},
+    "int4-g64": {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, "kv_quant_window": 0, "kv_quant_sinks": 0,
+                 "kv_quant_key_layout": "token"},
+    "int4-g128": {"kv_cache_dtype": "int4", "kv_quant_group_size": 128, "kv_quant_window": 0, "kv_quant_sinks": 0,
+                  "kv_quant_key_layout": "token"},
     "k-int8/v-fp8": {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "fp8_e4m3"},
+    # int4 keys per channel and block (KIVI), values per token in groups of 32, no window.
+    "int4-kchannel": {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"},
 }
 SHAPES = {"qwen7b": (28, 4, 128), "llama8b": (32, 8, 128)}
 

@@ -161,15 +161,19 @@ def pipelined_decode(fmt: str, tile: int | None, stages: int, max_registers: int
                                                                          head_warps as engine_head_warps,
                                                                          pipelined_config)
     from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
+    from kvserve.kernels.triton.kv_store_quant import CHANNEL_FORMAT
     head_dim, kv_heads, block_size = 128, 4, 16
+    channel = fmt == "int4-channel"           # int4 keys per channel and block, int4 values per token
+    fmt = "int4" if channel else fmt
     code = FORMAT_CODES[fmt]
     if head_warps is None:
         head_warps = engine_head_warps(kv_heads, fmt == "int4")
     tile = tile or pipelined_config(kv_heads, fmt == "int4").tile
     group = (group or 32) if fmt == "int4" else head_dim
     width, groups = (head_dim // 2 if fmt == "int4" else head_dim), head_dim // group
-    constexprs = dict(GROUP=7, HEAD_DIM=head_dim, TILE=tile, STAGES=stages, MIN_SPLIT_TOKENS=128, K_FORMAT=code,
-                      V_FORMAT=code, K_GROUP=group, V_GROUP=group, BLOCK_SIZE=block_size,
+    constexprs = dict(GROUP=7, HEAD_DIM=head_dim, TILE=tile, STAGES=stages, MIN_SPLIT_TOKENS=128,
+                      K_FORMAT=CHANNEL_FORMAT if channel else code, V_FORMAT=code,
+                      K_GROUP=head_dim if channel else group, V_GROUP=group, BLOCK_SIZE=block_size,
                       PRESCALE=BF16_QUERY_PRESCALE, SINKS=0, WINDOW=0, WIDE=False, HEAD_WARPS=head_warps, PDL=True)
     payload = "*i8" if fmt == "int8" else "*u8"
     pointers = {"query_ptr": "*bf16", "k_ptr": payload, "v_ptr": payload, "k_scales_ptr": "*fp16",
@@ -178,7 +182,8 @@ def pipelined_decode(fmt: str, tile: int | None, stages: int, max_registers: int
     row, scale_row = kv_heads * width, kv_heads * groups
     values = dict(query_stride_seq=28 * head_dim, query_stride_head=head_dim, out_stride_seq=28 * head_dim,
                   out_stride_head=head_dim, stride_block=block_size * row, stride_token=row, stride_head=width,
-                  scale_stride_block=block_size * scale_row, scale_stride_token=scale_row, scale_stride_head=groups)
+                  scale_stride_block=block_size * scale_row, scale_stride_token=scale_row, scale_stride_head=groups,
+                  pair_stride_block=kv_heads * 2 * head_dim, pair_stride_head=2 * head_dim)
     compiled = compile_for_target(_decode_split_pipelined_kernel, pointers, constexprs, values,
                                   float_args=("key_scale_log2",), dynamic_args=tuple(SPLIT_DECODE_DYNAMIC_ARGS),
                                   num_warps=NUM_WARPS, max_registers=max_registers)
@@ -200,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     quant.add_argument("--sass-mix", action="store_true", help="also count SASS instructions by opcode")
     pipelined = sub.add_parser("pipelined-decode",
                                help="kernels/triton/decode_attention_quant_pipelined.py's kernel (Gluon)")
-    pipelined.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "int4"])
+    pipelined.add_argument("--format", default="int8", choices=["int8", "fp8_e4m3", "int4", "int4-channel"],
+                           help="int4-channel: int4 keys per channel and block, values per token")
     pipelined.add_argument("--group", type=int, default=0, help="int4 scale group (default 32)")
     pipelined.add_argument("--tile", type=int, default=None, help="positions per iteration (default: the engine's)")
     pipelined.add_argument("--stages", type=int, default=2)

@@ -107,8 +107,9 @@ def build_kv_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, model
                     raise ValueError(f"kv_quant_key_layout channel is implemented for int4 keys with dynamic scales; "
                                      f"the keys are {name}{' with static scales' if use_static else ''}")
                 channel = block_size
-            # auto is token for now: the pipelined decode kernel, which makes int4 the fastest
-            # format on a GPU, does not read per-channel keys yet (docs/kv_quantization.md).
+            elif kv_quant_key_layout == "auto" and name == "int4" and not use_static and not kv_error_feedback:
+                # int4 keys per channel by default: no window needed (docs/kv_quantization.md).
+                channel = block_size
         fmt = KVFormat(name, group if quantized and not channel else 0, use_static, channel)
         fmt.validate(head_dim)
         return fmt

@@ -46,6 +46,10 @@ def build_mla_kv_cache_spec(num_layers: int, kv_lora_rank: int, rope_dim: int, m
     """The spec from CacheConfig's kv_* options: `kv_cache_dtype` / `kv_cache_dtype_k` choose the
     latent's format, `kv_cache_dtype_v` the RoPE key's (default: the model dtype)."""
     options = dict(options)
+    # An int4 latent keeps per-token scales (and its window) under auto: per-channel latents were not
+    # measured (docs/deepseek.md).
+    if options.get("kv_quant_key_layout", "auto") == "auto":
+        options["kv_quant_key_layout"] = "token"
     latent_name = options.pop("kv_cache_dtype_k", None) or options.get("kv_cache_dtype", "auto")
     rope_name = options.pop("kv_cache_dtype_v", None) or "auto"
     options.pop("kv_cache_dtype", None)

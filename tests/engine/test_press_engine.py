@@ -165,7 +165,7 @@ def test_bad_press_requests_are_refused_by_field(checkpoint):
 
 def test_a_window_format_is_refused_with_the_reason(checkpoint):
     folder, _ = checkpoint
-    engine = _engine(folder, kv_cache_dtype="int4")
+    engine = _engine(folder, kv_cache_dtype="int4", kv_quant_key_layout="token")   # int4 keys per token: a window
     with pytest.raises(RequestRejected, match="kv_press.*window"):
         engine.add_request("a", {"prompt_token_ids": PROMPT}, _greedy(kv_press="snapkv", kv_keep_ratio=0.5))
 

@@ -175,16 +175,16 @@ def test_channel_store_kernel_matches_reference(options, head_dim, block_size):
         assert ((back - keys[seq][:ends[seq]].float()).abs() <= 4 * step + 1e-2).all()
 
 
-def _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_rows):
+def _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, num_rows, key_offsets=None):
     k_cache, v_cache = KVCacheStore.allocate(spec, num_blocks, block_size, torch.device(DEVICE), num_rows=num_rows)[0]
     kv_heads, head_dim = spec.num_kv_heads, spec.head_dim
     for b in range(tables.shape[0]):
         positions = torch.arange(int(lens[b]))
         slots = (tables[b, positions // block_size] * block_size + positions % block_size).to(DEVICE)
         ring = _ring_slots(spec, int(rows[b]), num_rows, positions).to(DEVICE) if spec.needs_rows else None
-        for cache in (k_cache, v_cache):
-            quant_reference.store_part(cache, torch.randn(len(positions), kv_heads, head_dim).to(dtype).to(DEVICE),
-                                       slots, ring)
+        for cache, offsets in ((k_cache, key_offsets), (v_cache, None)):
+            x = torch.randn(len(positions), kv_heads, head_dim) + (0 if offsets is None else offsets)
+            quant_reference.store_part(cache, x.to(dtype).to(DEVICE), slots, ring)
     return k_cache, v_cache
 
 
@@ -282,18 +282,51 @@ def test_pipelined_decode_matches_reference(options, shape, dtype, block_size):
     ragged contexts (empty, shorter than a tile, a warp's share of it or the window, across many ring
     turns), GQA groups 1-8, block sizes below and at the tile, and split counts from 1 to more than a
     short context has tiles, against the reference on the same stored bytes."""
+    _check_pipelined_decode(options, shape, dtype, block_size)
+
+
+# int4 keys per channel and block (no window), values per token in groups of 32 or 64.
+PIPELINED_CHANNEL_CASES = [{"kv_cache_dtype": "int4", **CHANNEL},
+                           {"kv_cache_dtype": "int4", "kv_quant_group_size": 64, **CHANNEL}]
+
+
+@pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
+@pytest.mark.parametrize("options", PIPELINED_CHANNEL_CASES, ids=["values-g32", "values-g64"])
+@pytest.mark.parametrize("shape", [(28, 4, 128), (6, 2, 64), (32, 8, 128), (4, 4, 64), (9, 3, 64)],
+                         ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_pipelined_decode_with_keys_per_channel_matches_reference(options, shape, dtype, block_size):
+    """Per-channel int4 keys in the pipelined kernel: one key dot per block of a warp's positions in a
+    tile, the block's (scale, zero) rows folded into the query and the dot's initial accumulator. A
+    block may not be larger than a warp's share of a tile (64 positions with a warp per KV head, else
+    32): larger ones take the fast Triton kernel. Keys carry per-channel offsets (what per-channel
+    zeros are for) and ragged contexts end inside blocks."""
+    from kvserve.kernels.triton.decode_attention_quant_pipelined import head_warps, pipelined_supported
+    heads, kv_heads, head_dim = shape
+    if block_size > (64 if head_warps(kv_heads, True) else 32):
+        spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, block_size=block_size, **options)
+        k_cache, v_cache = KVCacheStore.allocate(spec, 8, block_size, torch.device(DEVICE), num_rows=1)[0]
+        query = torch.randn(1, heads, head_dim, dtype=dtype, device=DEVICE)
+        assert not pipelined_supported(query, k_cache, v_cache)
+        return
+    _check_pipelined_decode(options, shape, dtype, block_size, key_offsets=True)
+
+
+def _check_pipelined_decode(options, shape, dtype, block_size, key_offsets: bool = False):
     from kvserve.kernels.triton.decode_attention_quant import paged_decode_attention_quant
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     torch.manual_seed(6)
     heads, kv_heads, head_dim = shape
     num_blocks = 16384 // block_size
-    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, **options)
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, dtype, block_size=block_size, **options)
     lens = torch.tensor([1000, 17, 0, 1, 64, 333, 2049])
     batch = len(lens)
     per_seq = num_blocks // batch
     tables = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq)
     rows = torch.arange(batch)
-    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, batch)
+    k_cache, v_cache = _filled_caches(spec, dtype, num_blocks, block_size, tables, lens, rows, batch,
+                                      torch.linspace(-4, 4, head_dim) if key_offsets else None)
     query = (torch.randn(batch, heads, head_dim) * 3).to(dtype).to(DEVICE)
     tables, lens = tables.to(DEVICE), lens.to(DEVICE)
     seq_rows = rows.to(DEVICE) if spec.needs_rows else None
@@ -342,8 +375,8 @@ def test_pipelined_decode_with_64_bit_offsets(monkeypatch, options):
 @pytest.mark.skipif(INTERPRET, reason="Gluon kernels run on NVIDIA GPUs only")
 def test_pipelined_decode_declines_what_it_does_not_cover():
     """A full-precision part (with or without a window on the other), int4 next to an 8-bit part, 8-bit
-    scale groups, int4 groups under 32, per-channel int4 keys, groups of more than 8 heads: the Triton
-    kernels serve them."""
+    scale groups, int4 groups under 32, per-channel int4 keys next to a window or 8-bit values, groups of
+    more than 8 heads: the Triton kernels serve them."""
     from kvserve.kernels.triton.decode_attention_quant_pipelined import pipelined_supported
     head_dim, kv_heads = 128, 2
     query = torch.randn(3, 2 * kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
@@ -353,7 +386,8 @@ def test_pipelined_decode_declines_what_it_does_not_cover():
                     {"kv_cache_dtype": "int8", "kv_quant_group_size": 32},
                     {"kv_cache_dtype": "int4", "kv_quant_group_size": 16, "kv_quant_window": 0, "kv_quant_sinks": 0,
                      **TOKEN},
-                    {"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"},   # keys per channel
+                    {"kv_cache_dtype": "int4", "kv_quant_window": 16, **CHANNEL},
+                    {"kv_cache_dtype_k": "int4", "kv_cache_dtype_v": "int8", **CHANNEL},
                     {"kv_cache_dtype_k": "int8", "kv_cache_dtype_v": "auto"}):
         spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, **options)
         k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
@@ -465,14 +499,14 @@ TORCH_EAGER = {"attention_backend": "torch", "enforce_eager": True}
     ({"kv_cache_dtype": "int8"}, ["pipelined"], TORCH_EAGER),
     ({"kv_cache_dtype": "int4", "kv_quant_window": 128, "kv_quant_sinks": 4, "kv_quant_key_layout": "channel"},
      ["fast"], TORCH_EAGER),
-    ({"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"}, ["fast"], {"enforce_eager": True}),
+    ({"kv_cache_dtype": "int4", "kv_quant_key_layout": "channel"}, ["pipelined"], {"enforce_eager": True}),
 ], ids=["int4-token-window", "int8", "int4-channel-keys-window", "int4-channel-keys-graphs-vs-eager"])
 def test_engine_decodes_through_the_quantized_kernels(tmp_path, options, kernels, reference):
     """Through the engine on CUDA (Triton backend, CUDA graphs, the split count taken from the kernel's
     occupancy, a window's extra launch and combine), a bf16 model with head_dim 128 and 4 KV heads
     decodes over a quantized cache with the pipelined kernel (int4: each warp on its own KV head; int4
-    keys per channel, the default: the store kernel's requantize-on-grow under the graphs and the fast
-    Triton kernel), and its greedy steps agree with the torch reference backend (eager) on the same
+    keys per channel, the default: the store kernel's requantize-on-grow under the graphs, and the
+    pipelined kernel, or the fast Triton one with a window), and its greedy steps agree with the torch reference backend (eager) on the same
     format: same tokens with close logprobs, up to a step where the reference's top two are too close
     to call. int4's default (keys per channel, no window) is compared with the same backend run
     eagerly instead: see below why a cache without a window is not compared across backends here (the

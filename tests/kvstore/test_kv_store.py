@@ -140,7 +140,8 @@ def _random_store(spec, num_blocks: int, seed: int, num_rows: int = 0) -> KVCach
 
 @pytest.mark.parametrize("dtype", ["auto", "fp8_e4m3", "int8", "int4"])
 def test_copy_blocks_moves_exactly_the_named_blocks(dtype):
-    spec = build_kv_cache_spec(2, 2, 8, torch.float32, kv_cache_dtype=dtype, kv_quant_window=0, kv_quant_sinks=0)
+    spec = build_kv_cache_spec(2, 2, 8, torch.float32, kv_cache_dtype=dtype, kv_quant_window=0, kv_quant_sinks=0,
+                               block_size=4)
     src, dst = _random_store(spec, 6, 1), _random_store(spec, 5, 2)
     before = dst.read_blocks(range(5))
     src.copy_blocks([4, 0, 2], [1, 3, 0], dst)
@@ -175,8 +176,9 @@ def test_transfers_refuse_what_does_not_fit():
         store.copy_blocks([0, 1], [2], store)
     with pytest.raises(ValueError, match="uint8"):
         store.write_blocks([0], torch.zeros(1, store.block_nbytes - 1, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="num_rows"):
-        KVCacheStore.allocate(build_kv_cache_spec(1, 2, 8, torch.float32, kv_cache_dtype="int4"), 2, 4, "cpu")
+    with pytest.raises(ValueError, match="num_rows"):       # per-token int4 keys keep a window per sequence
+        KVCacheStore.allocate(build_kv_cache_spec(1, 2, 8, torch.float32, kv_cache_dtype="int4",
+                                                  kv_quant_key_layout="token"), 2, 4, "cpu")
 
 
 def test_runner_runs_a_steps_block_copies_before_its_forward(llama_folder):
@@ -200,7 +202,8 @@ def test_runner_runs_a_steps_block_copies_before_its_forward(llama_folder):
 def test_a_flat_tier_store_keeps_blocks_byte_for_byte(dtype):
     """A tier's store (allocate_flat: one [blocks, block_nbytes] tensor) takes and gives back blocks
     by runs of consecutive ids and one by one, and holds the bytes read_blocks gives."""
-    spec = build_kv_cache_spec(2, 2, 8, torch.float32, kv_cache_dtype=dtype, kv_quant_window=0, kv_quant_sinks=0)
+    spec = build_kv_cache_spec(2, 2, 8, torch.float32, kv_cache_dtype=dtype, kv_quant_window=0, kv_quant_sinks=0,
+                               block_size=4)
     device = _random_store(spec, 8, 3)
     tier = KVCacheStore.allocate_flat(spec, 10, 4)
     assert tier.block_nbytes == device.block_nbytes and (tier.flat.num_live_blocks, tier.flat.block_nbytes) == (10, device.block_nbytes)

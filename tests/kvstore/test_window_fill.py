@@ -13,7 +13,7 @@ from kvserve.kvstore import KVCacheStore, build_kv_cache_spec
 @pytest.mark.parametrize("name,window,sinks", [("int4", 8, 2), ("int8", 16, 3), ("fp8_e4m3", 4, 0)])
 def test_fill_window_rows_reads_the_ring_positions_back_from_the_blocks(name, window, sinks):
     spec = build_kv_cache_spec(2, 2, 16, torch.float32, kv_cache_dtype=name, kv_quant_window=window,
-                               kv_quant_sinks=sinks)
+                               kv_quant_sinks=sinks, block_size=4)
     store = KVCacheStore.allocate(spec, 12, 4, "cpu", num_rows=3)
     table, num_tokens = [7, 2, 9, 0, 5, 11], 22
     slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(num_tokens)])

@@ -66,3 +66,16 @@ INT4_TO_OFFSET_F16_PTX = tl.constexpr(
     "lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;\n"
     "lop3.b32 $3, t, 0x00F000F0, 0x64006400, 0xEA;\n"
     "}")
+# The same in dim order (b0, b1, b2, b3): one byte permute first (PRMT 0x3120 puts the bytes as b0, b2,
+# b1, b3, which the conversion's order undoes), so per-dim factors (per-channel key scales) need no
+# reordering of their own.
+INT4_TO_OFFSET_F16_IN_ORDER_PTX = tl.constexpr(
+    "{\n"
+    ".reg .b32 p, t;\n"
+    "prmt.b32 p, $4, 0, 0x3120;\n"
+    "lop3.b32 $0, p, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 $2, p, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "shr.u32 t, p, 8;\n"
+    "lop3.b32 $1, t, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 $3, t, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "}")

@@ -61,10 +61,11 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 from kvserve.kernels.triton._common import SPLIT_DECODE_DYNAMIC_ARGS, cuda_capability, interpreting, pdl_enabled
 from kvserve.kernels.triton.code_conversion import (BF16_QUERY_PRESCALE, E4M3_TO_F16_PTX, INT4_HIGH_OFFSET,
-                                                    INT4_LOW_OFFSET, INT4_TO_OFFSET_F16_PTX, INT8_TO_F16_PTX)
+                                                    INT4_LOW_OFFSET, INT4_TO_OFFSET_F16_IN_ORDER_PTX,
+                                                    INT4_TO_OFFSET_F16_PTX, INT8_TO_F16_PTX)
 from kvserve.kernels.triton.decode_attention import DecodeConfig
 from kvserve.kernels.triton.decode_attention_quant_config import fast_kernel_supported
-from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
+from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES, format_code
 
 # The GQA group is the N side (8 columns) of mma.m16n8k16: every R1-Distill model's group fits.
 HEADS_PER_PROGRAM = 8
@@ -180,12 +181,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_scales(k_scales_ptr, v_scales_ptr, blocks, positions, end, stride_block, stride_token, head_offset,
-                     K_GROUPS: gl.constexpr, V_GROUPS: gl.constexpr, BLOCK_SIZE: gl.constexpr, WIDE: gl.constexpr):
-        """A tile's key and value scales per group (_group_scales), from one row offset per position."""
+                     K_GROUPS: gl.constexpr, V_GROUPS: gl.constexpr, BLOCK_SIZE: gl.constexpr, WIDE: gl.constexpr,
+                     KEY_TOKEN_SCALES: gl.constexpr = True):
+        """A tile's key and value scales per group (_group_scales), from one row offset per position.
+        Keys with per-channel pairs (not KEY_TOKEN_SCALES) have none: their entries repeat the values'."""
         rows = _row_offsets(blocks, positions, stride_block, stride_token, head_offset, BLOCK_SIZE, WIDE)
         valid = positions < end
-        ks0, ks1, ks2, ks3 = _group_scales(k_scales_ptr, rows, valid, K_GROUPS)
         vs0, vs1, vs2, vs3 = _group_scales(v_scales_ptr, rows, valid, V_GROUPS)
+        if KEY_TOKEN_SCALES:
+            ks0, ks1, ks2, ks3 = _group_scales(k_scales_ptr, rows, valid, K_GROUPS)
+        else:
+            ks0, ks1, ks2, ks3 = vs0, vs0, vs0, vs0
         return ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3
 
     @gluon.jit
@@ -237,6 +243,73 @@ if HAVE_GLUON:
         else:
             scores = mma_v2(_to_f16(k_buf.load(k_operand), FORMAT), q0, zero) * s0.to(gl.float32)[:, :, None]
         return scores
+
+    @gluon.jit
+    def _pair_positions(tile_start, BLOCKS: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
+                        HEAD_WARPS: gl.constexpr, BLOCK_SIZE: gl.constexpr, layout: gl.constexpr):
+        """[2 * BLOCKS * WARPS] first position of the block whose per-channel key (scale, zero) rows land in
+        row (2j + part) * WARPS + w of a pair slot (part 0 scales, 1 zeros): block j of warp w's positions
+        in the tile (_tile_positions)."""
+        rows = gl.arange(0, 2 * BLOCKS * WARPS, layout=layout)
+        return tile_start + (rows % WARPS) * (0 if HEAD_WARPS else SUB) + (rows // (2 * WARPS)) * BLOCK_SIZE
+
+    @gluon.jit
+    def _issue_pairs(pairs_ptr, pair_buf, blocks, positions, end, pair_stride_block, pair_stride_head, head0,
+                     HEAD_DIM: gl.constexpr, WARPS: gl.constexpr, HEAD_WARPS: gl.constexpr, WIDE: gl.constexpr,
+                     copy: gl.constexpr):
+        """Asynchronous copies of a tile's per-channel key (scale, zero) rows ([kv_heads, 2, HEAD_DIM] per
+        block: row 0 scales, row 1 zeros) into one pair slot [2 * blocks * WARPS, HEAD_DIM]
+        (_pair_positions' rows)."""
+        rows = gl.arange(0, positions.shape[0], layout=gl.SliceLayout(1, copy))
+        heads = head0 + (rows % WARPS) * (1 if HEAD_WARPS else 0)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy))[None, :]
+        if WIDE:
+            base = blocks.to(gl.int64)
+        else:
+            base = blocks
+        offsets = (base * pair_stride_block + heads * pair_stride_head + ((rows // WARPS) % 2) * HEAD_DIM)[:, None]
+        async_copy.async_copy_global_to_shared(pair_buf, pairs_ptr + offsets + cols, mask=(positions < end)[:, None])
+
+    @gluon.jit
+    def _channel_block_scores(codes_buf, pairs, q_low, q_high, ones, minus_offsets, zero, J: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, WARPS: gl.constexpr,
+                              k_operand: gl.constexpr, q_operand: gl.constexpr):
+        """[WARPS, BLOCK_SIZE, 8] scores^T of block J of a tile whose int4 keys have a (scale, zero) pair per
+        channel and block: q . (s * c + z) = (q * s) . c + q . z, so the block's scales multiply the query
+        (the dot's other operand; codes and query in dim order) and the dot's initial accumulator is
+        q . z minus the codes' offset (1024 times the scaled query's sum: unsigned codes convert as
+        1024 + c, high nibbles as 1024 + 16 c, so `q_high` comes divided by 16). Both are dots with
+        constant operands (`ones`, `minus_offsets` = -1024), which leaves them in the scores' layout
+        with no cross-lane sum; the offset's products are exact, so it cancels to fp32 rounding."""
+        HALF: gl.constexpr = HEAD_DIM // 2
+        vec: gl.constexpr = gl.SliceLayout(2, q_operand)
+        scales = pairs.slice(2 * J * WARPS, WARPS, dim=0)
+        zeros = pairs.slice((2 * J + 1) * WARPS, WARPS, dim=0)
+        b_low = q_low * scales.slice(0, HALF, dim=1).load(vec)[:, :, None]
+        b_high = q_high * scales.slice(HALF, HALF, dim=1).load(vec)[:, :, None]
+        q_zero = (q_low * zeros.slice(0, HALF, dim=1).load(vec)[:, :, None]
+                  + q_high * (zeros.slice(HALF, HALF, dim=1).load(vec) * 16.0)[:, :, None])
+        init = mma_v2(ones, q_zero, mma_v2(minus_offsets, b_high, mma_v2(minus_offsets, b_low, zero)))
+        low, high = gl.inline_asm_elementwise(
+            INT4_TO_OFFSET_F16_IN_ORDER_PTX, "=r,=r,=r,=r,r",
+            [codes_buf.slice(J * BLOCK_SIZE, BLOCK_SIZE, dim=1).load(k_operand)], dtype=(gl.float16, gl.float16),
+            is_pure=True, pack=4)
+        return mma_v2(high, b_high, mma_v2(low, b_low, init))
+
+    @gluon.jit
+    def _join_blocks(s0, s1, s2, s3, BLOCKS: gl.constexpr, WARPS: gl.constexpr, SUB: gl.constexpr,
+                     mma: gl.constexpr):
+        """The [WARPS, SUB, 8] scores of a tile from its BLOCKS (1, 2 or 4) blocks' [WARPS, SUB / BLOCKS, 8]
+        (block j's rows at j * SUB / BLOCKS): in the mma layout each is a repetition of the instruction
+        tile, so this only renames registers."""
+        if BLOCKS == 1:
+            joined = s0
+        elif BLOCKS == 2:
+            joined = gl.reshape(gl.permute(gl.join(s0, s1), [0, 3, 1, 2]), [WARPS, SUB, 8])
+        else:
+            joined = gl.reshape(gl.permute(gl.join(gl.join(s0, s1), gl.join(s2, s3)), [0, 4, 3, 1, 2]),
+                                [WARPS, SUB, 8])
+        return gl.convert_layout(joined, mma)
 
     @gluon.jit
     def _chunk_update(v_stage, weights, top, v_operand: gl.constexpr, zero):
@@ -327,6 +400,7 @@ if HAVE_GLUON:
             query_stride_seq, query_stride_head, out_stride_seq, out_stride_head,
             block_table_stride_seq,
             stride_block, stride_token, stride_head, scale_stride_block, scale_stride_token, scale_stride_head,
+            pair_stride_block, pair_stride_head,
             partial_stride_seq, partial_stride_head, partial_stride_split,
             lse_stride_seq, lse_stride_head,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE: gl.constexpr, STAGES: gl.constexpr,
@@ -351,7 +425,12 @@ if HAVE_GLUON:
         # HEAD_DIM/2 + j). int4 key dots go in chunks of K_CHUNK dims that share a scale; int4 values in
         # slices of 32 code bytes (one scale group for each nibble half: V_GROUP >= 32), one accumulator
         # per nibble half and byte parity, [WARPS, 16, 8] each.
-        INT4: gl.constexpr = K_FORMAT == 3
+        # CHANNEL: int4 keys with a (scale, zero) pair per channel and block (kv_store_quant.CHANNEL_FORMAT),
+        # in k_scales_ptr as [blocks, kv_heads, 2, HEAD_DIM] (pair strides); values int4 per token.
+        CHANNEL: gl.constexpr = K_FORMAT == 4
+        INT4: gl.constexpr = K_FORMAT == 3 or CHANNEL
+        # Blocks of a warp's positions in a tile (CHANNEL: each has its own pairs, so its own key dot).
+        BLOCKS: gl.constexpr = SUB // BLOCK_SIZE if CHANNEL else 1
         HALF: gl.constexpr = HEAD_DIM // 2
         ROW_BYTES: gl.constexpr = HALF if INT4 else HEAD_DIM
         K_CHUNK: gl.constexpr = min(K_GROUP, ROW_BYTES) if INT4 else HEAD_DIM
@@ -410,24 +489,36 @@ if HAVE_GLUON:
             end = gl.minimum(end, gl.maximum(context_len - WINDOW, SINKS))
 
         q_base = query_ptr + seq * query_stride_seq
+        # Dims in the converted int4 codes' order, but per-channel keys convert in dim order.
+        KEY_ORDER: gl.constexpr = INT4 and not CHANNEL
         q0, qs0 = _query_chunk(q_base, query_stride_head, head0, 0, K_CHUNK, GROUP, HEADS, WARPS, HEAD_WARPS,
-                               PRESCALE, INT4, q_operand, head_cols)
+                               PRESCALE, KEY_ORDER, q_operand, head_cols)
         q1, qs1 = q0, qs0
         q2, qs2 = q0, qs0
         q3, qs3 = q0, qs0
         if K_CHUNKS > 1:
             q1, qs1 = _query_chunk(q_base, query_stride_head, head0, K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
-                                   HEAD_WARPS, PRESCALE, INT4, q_operand, head_cols)
+                                   HEAD_WARPS, PRESCALE, KEY_ORDER, q_operand, head_cols)
         if K_CHUNKS > 2:
             q2, qs2 = _query_chunk(q_base, query_stride_head, head0, 2 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
                                    HEAD_WARPS, PRESCALE, INT4, q_operand, head_cols)
             q3, qs3 = _query_chunk(q_base, query_stride_head, head0, 3 * K_CHUNK, K_CHUNK, GROUP, HEADS, WARPS,
                                    HEAD_WARPS, PRESCALE, INT4, q_operand, head_cols)
+        if CHANNEL:
+            q1 = q1 * 0.0625       # exact: the high nibbles' codes convert as 16 x code
 
         k_bufs = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
         v_bufs = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, WARPS, SUB, ROW_BYTES], codes_smem)
         if not INT4:
             v_stage = gl.allocate_shared_memory(gl.float16, [WARPS, SUB, HEAD_DIM], values_smem)
+        if CHANNEL:
+            # Per-channel key pairs ride in the ring with their tile: 16-byte copies, HEAD_DIM // 8 lanes
+            # along a row.
+            pair_lanes: gl.constexpr = HEAD_DIM // 8
+            pair_copy: gl.constexpr = gl.BlockedLayout([1, 8], [32 // pair_lanes, pair_lanes], [WARPS, 1], [1, 0])
+            pair_rows: gl.constexpr = gl.SliceLayout(1, pair_copy)
+            key_pairs_smem: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            pair_bufs = gl.allocate_shared_memory(gl.float16, [STAGES, 2 * BLOCKS * WARPS, HEAD_DIM], key_pairs_smem)
 
         table_row = block_tables_ptr + seq * block_table_stride_seq
         # K and V share their strides (codes, and scales: launch_pipelined), so one offset serves both.
@@ -442,14 +533,23 @@ if HAVE_GLUON:
             blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
             _issue_tile(k_ptr, v_ptr, k_bufs.index(s), v_bufs.index(s), blocks, positions, end, stride_block,
                         stride_token, head_offset, ROW_BYTES, BLOCK_SIZE, WIDE, copy)
+            if CHANNEL:
+                pair_starts = _pair_positions(start + s * TILE, BLOCKS, WARPS, SUB, HEAD_WARPS, BLOCK_SIZE, pair_rows)
+                _issue_pairs(k_scales_ptr, pair_bufs.index(s), _block_ids(table_row, pair_starts, end, LOG2_BLOCK),
+                             pair_starts, end, pair_stride_block, pair_stride_head, head0, HEAD_DIM, WARPS,
+                             HEAD_WARPS, WIDE, pair_copy)
             async_copy.commit_group()
         first_ahead = _tile_positions(start + (STAGES - 1) * TILE, WARPS, SUB, HEAD_WARPS, rows)
         copy_blocks = _block_ids(table_row, first_ahead, end, LOG2_BLOCK)
+        if CHANNEL:
+            pair_ahead = _pair_positions(start + (STAGES - 1) * TILE, BLOCKS, WARPS, SUB, HEAD_WARPS, BLOCK_SIZE,
+                                         pair_rows)
+            pair_blocks = _block_ids(table_row, pair_ahead, end, LOG2_BLOCK)
         positions = _tile_positions(start, WARPS, SUB, HEAD_WARPS, token_rows)
         scale_blocks = _block_ids(table_row, positions, end, LOG2_BLOCK)
         ks0, ks1, ks2, ks3, vs0, vs1, vs2, vs3 = _tile_scales(
             k_scales_ptr, v_scales_ptr, scale_blocks, positions, end, scale_stride_block, scale_stride_token,
-            scale_head_offset, K_GROUPS, V_GROUPS, BLOCK_SIZE, WIDE)
+            scale_head_offset, K_GROUPS, V_GROUPS, BLOCK_SIZE, WIDE, not CHANNEL)
         running_max = gl.full([WARPS, HEADS], float("-inf"), gl.float32, layout=head_cols)
         running_sum = gl.zeros([WARPS, HEADS], gl.float32, layout=head_cols)
         acc0 = gl.zeros([WARPS, ACC_ROWS, HEADS], gl.float32, layout=mma)
@@ -466,6 +566,11 @@ if HAVE_GLUON:
             # Constant operands whose dot with a tile's value weights is -offset times their sum.
             low_ones = gl.full([WARPS, 16, SUB], -INT4_LOW_OFFSET, gl.float16, layout=v_operand)
             high_ones = gl.full([WARPS, 16, SUB], -INT4_HIGH_OFFSET, gl.float16, layout=v_operand)
+        if CHANNEL:
+            # Constant operands: dots with them sum the query's products over the dims (_channel_block_scores).
+            key_ones = gl.full([WARPS, BLOCK_SIZE, HALF], 1.0, gl.float16, layout=k_operand)
+            key_offsets = gl.full([WARPS, BLOCK_SIZE, HALF], -1024.0, gl.float16, layout=k_operand)
+            block_zero = gl.zeros([WARPS, BLOCK_SIZE, HEADS], gl.float32, layout=mma)
         scale_blocks = _block_ids(table_row, positions + TILE, end, LOG2_BLOCK)
         num_tiles = (end - start + TILE - 1) // TILE
         for index in range(num_tiles):
@@ -474,7 +579,7 @@ if HAVE_GLUON:
             # Loads for later tiles first: nothing below waits on them in this iteration.
             nks0, nks1, nks2, nks3, nvs0, nvs1, nvs2, nvs3 = _tile_scales(
                 k_scales_ptr, v_scales_ptr, scale_blocks, positions + TILE, end, scale_stride_block,
-                scale_stride_token, scale_head_offset, K_GROUPS, V_GROUPS, BLOCK_SIZE, WIDE)
+                scale_stride_token, scale_head_offset, K_GROUPS, V_GROUPS, BLOCK_SIZE, WIDE, not CHANNEL)
             scale_blocks = _block_ids(table_row, positions + 2 * TILE, end, LOG2_BLOCK)
             # This tile's copies are done (this thread's), then every thread's are, and every thread has
             # finished reading the slot the next copies overwrite (the previous iteration's).
@@ -484,12 +589,34 @@ if HAVE_GLUON:
             ahead = _tile_positions(tile_start + (STAGES - 1) * TILE, WARPS, SUB, HEAD_WARPS, rows)
             _issue_tile(k_ptr, v_ptr, k_bufs.index(slot_ahead), v_bufs.index(slot_ahead), copy_blocks, ahead, end,
                         stride_block, stride_token, head_offset, ROW_BYTES, BLOCK_SIZE, WIDE, copy)
+            if CHANNEL:
+                _issue_pairs(k_scales_ptr, pair_bufs.index(slot_ahead), pair_blocks, pair_ahead, end,
+                             pair_stride_block, pair_stride_head, head0, HEAD_DIM, WARPS, HEAD_WARPS, WIDE, pair_copy)
+                pair_ahead = pair_ahead + TILE
+                pair_blocks = _block_ids(table_row, pair_ahead, end, LOG2_BLOCK)
             async_copy.commit_group()
             copy_blocks = _block_ids(table_row, ahead + TILE, end, LOG2_BLOCK)
 
             slot = index % STAGES
-            scores = _key_scores(k_bufs.index(slot), q0, q1, q2, q3, qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3,
-                                 K_FORMAT, K_GROUP, HEAD_DIM, K_CHUNK, k_operand, score_zero)
+            if CHANNEL:
+                pairs = pair_bufs.index(slot)
+                block0 = _channel_block_scores(k_bufs.index(slot), pairs, q0, q1, key_ones, key_offsets, block_zero, 0,
+                                               HEAD_DIM, BLOCK_SIZE, WARPS, k_operand, q_operand)
+                block1 = block0
+                block2 = block0
+                block3 = block0
+                if BLOCKS > 1:
+                    block1 = _channel_block_scores(k_bufs.index(slot), pairs, q0, q1, key_ones, key_offsets, block_zero,
+                                                   1, HEAD_DIM, BLOCK_SIZE, WARPS, k_operand, q_operand)
+                if BLOCKS > 2:
+                    block2 = _channel_block_scores(k_bufs.index(slot), pairs, q0, q1, key_ones, key_offsets, block_zero,
+                                                   2, HEAD_DIM, BLOCK_SIZE, WARPS, k_operand, q_operand)
+                    block3 = _channel_block_scores(k_bufs.index(slot), pairs, q0, q1, key_ones, key_offsets, block_zero,
+                                                   3, HEAD_DIM, BLOCK_SIZE, WARPS, k_operand, q_operand)
+                scores = _join_blocks(block0, block1, block2, block3, BLOCKS, WARPS, SUB, mma)
+            else:
+                scores = _key_scores(k_bufs.index(slot), q0, q1, q2, q3, qs0, qs1, qs2, qs3, ks0, ks1, ks2, ks3,
+                                     K_FORMAT, K_GROUP, HEAD_DIM, K_CHUNK, k_operand, score_zero)
             scores = gl.where((positions < end)[:, :, None], scores * key_scale_log2, float("-inf"))
             new_max = gl.maximum(running_max, gl.max(scores, axis=1))
             # A warp with no position yet (all of its positions past `end`) keeps max -inf; exp2(-inf - -inf)
@@ -636,6 +763,19 @@ def _needs_wide_offsets(k_cache, v_cache) -> bool:
     return any(max(part.payload.numel(), part.scales.numel()) >= 2 ** 31 for part in (k_cache, v_cache))
 
 
+def _channel_pairs_supported(k_cache, head_dim: int, block_size: int) -> bool:
+    """Per-channel int4 keys: each block of a warp's positions in a tile gets its own key dot (so blocks
+    of 16 to a warp's whole share of a tile), and its (scale, zero) rows come by 16-byte copies."""
+    sub = pipelined_config(k_cache.shape[2], True).tile
+    if not head_warps(k_cache.shape[2], True):
+        sub //= NUM_WARPS
+    if block_size < 16 or sub % block_size or sub // block_size > 4:
+        return False
+    pairs = k_cache.scales
+    return (pairs.stride(3) == 1 and pairs.stride(2) == head_dim and pairs.data_ptr() % 16 == 0
+            and all(stride * pairs.element_size() % 16 == 0 for stride in pairs.stride()[:2]))
+
+
 def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
     """Whether this kernel serves these caches: see the module docstring."""
     if not HAVE_GLUON or interpreting() or query.device.type != "cuda" or torch.version.hip is not None:
@@ -646,8 +786,8 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
     parts = (k_cache, v_cache)
     if any(isinstance(part, torch.Tensor) for part in parts):
         return False
-    if any(part.fmt.per_channel for part in parts):
-        return False                            # per-channel int4 keys: the Triton kernels
+    if v_cache.fmt.per_channel:
+        return False
     num_kv_heads = k_cache.shape[2]
     if head_dim not in (64, 128) or num_heads % num_kv_heads or num_heads // num_kv_heads > HEADS_PER_PROGRAM:
         return False
@@ -659,10 +799,22 @@ def pipelined_supported(query: torch.Tensor, k_cache, v_cache) -> bool:
         return False                            # one ring layout: both parts int4, or both 8-bit
     if any(part.scales is None for part in parts):
         return False
-    if k_cache.payload.stride() != v_cache.payload.stride() or k_cache.scales.stride() != v_cache.scales.stride():
+    if k_cache.payload.stride() != v_cache.payload.stride():
         return False                            # one row offset serves both parts
+    if k_cache.fmt.per_channel:
+        # A window would start the quantized positions past the sinks, inside a block: each key dot
+        # covers one whole block.
+        if any(part.window is not None for part in parts) or not _channel_pairs_supported(k_cache, head_dim,
+                                                                                           block_size):
+            return False
+    elif k_cache.scales.stride() != v_cache.scales.stride():
+        return False                            # one scale row offset serves both parts
     for part in parts:
         fmt = part.fmt
+        if fmt.per_channel:
+            if not _aligned(part.payload):
+                return False
+            continue
         if fmt.name not in ("int8", "fp8_e4m3", "int4") or fmt.static_scales:
             return False
         if part.scales is None or not _aligned(part.payload):
@@ -694,13 +846,16 @@ def launch_pipelined(grid: tuple[int, int, int], query: torch.Tensor, k_cache, v
     num_heads, head_dim = query.shape[1:]
     prescale = BF16_QUERY_PRESCALE if query.dtype == torch.bfloat16 else 1.0
     extra = {"maxnreg": config.max_registers} if config.max_registers else {}
+    # Per-channel key pairs [blocks, kv_heads, 2, head_dim]: their own (block, head) strides; the
+    # per-token scale strides are then the values'.
+    pair_strides = (k_cache.scales.stride(0), k_cache.scales.stride(1)) if k_cache.fmt.per_channel else (0, 0)
     return _decode_split_pipelined_kernel[grid](
         query, k_cache.payload, v_cache.payload, k_cache.scales, v_cache.scales, block_tables, context_lens,
         out, partial_out, partial_lse, scale_log2 / prescale, num_splits, write_final,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *k_cache.payload.stride()[:3], *k_cache.scales.stride()[:3], *partial_strides,
+        *k_cache.payload.stride()[:3], *v_cache.scales.stride()[:3], *pair_strides, *partial_strides,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, TILE=config.tile, STAGES=config.num_stages,
-        MIN_SPLIT_TOKENS=config.min_split_tokens, K_FORMAT=FORMAT_CODES[k_cache.fmt.name],
+        MIN_SPLIT_TOKENS=config.min_split_tokens, K_FORMAT=format_code(k_cache.fmt),
         V_FORMAT=FORMAT_CODES[v_cache.fmt.name], K_GROUP=min(k_cache.fmt.group(head_dim), head_dim),
         V_GROUP=min(v_cache.fmt.group(head_dim), head_dim), BLOCK_SIZE=k_cache.shape[1], PRESCALE=prescale,
         SINKS=ring[0], WINDOW=ring[1], WIDE=_needs_wide_offsets(k_cache, v_cache),
