@@ -394,9 +394,13 @@ def test_pipelined_decode_declines_what_it_does_not_cover():
         assert not pipelined_supported(query, k_cache, v_cache), options
     # int4 with its full-precision window (both parts alike): this kernel, the window beside it.
     spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="int4", kv_quant_window=128,
-                               kv_quant_sinks=4)
+                               kv_quant_sinks=4, **TOKEN)
     k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
     assert pipelined_supported(query, k_cache, v_cache)
+    # int4 as it is by default (keys per channel and block, no window): this kernel too.
+    spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="int4")
+    k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
+    assert k_cache.fmt.per_channel and pipelined_supported(query, k_cache, v_cache)
     spec = build_kv_cache_spec(1, kv_heads, head_dim, torch.bfloat16, kv_cache_dtype="int8")
     k_cache, v_cache = KVCacheStore.allocate(spec, 8, 16, torch.device(DEVICE), num_rows=3)[0]
     assert pipelined_supported(query, k_cache, v_cache)

@@ -17,8 +17,16 @@ from block ids loaded one iteration earlier still; so no load waits in the itera
 What it covers (`pipelined_supported`): K and V each int8 or fp8-e4m3 with dynamic per-token
 scales, or both int4 with dynamic scales per group of 32-128 elements; with or without a
 full-precision window (both parts alike, where the fast Triton kernel can run its positions);
-head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries. Not per-channel int4 keys
-(kvserve.kvstore.formats: a scale and zero per channel and block): the Triton kernels serve those.
+head_dim 64 or 128; a GQA group of at most 8; fp16/bf16 queries; and int4 keys per channel
+(kvserve.kvstore.formats: a scale and zero per channel and block, the int4 default) next to int4
+values per token, without a window, in blocks of 16 up to a warp's share of a tile.
+
+Per-channel keys: q . (s * c + z) = (q * s) . c + q . z, with (s, z) the block's. Each block of a
+warp's positions in the tile gets its own key dot, whose query operand is the query times the
+block's scales and whose initial accumulator is q . z minus the codes' offset (dots with constant
+operands, so no cross-lane sum); the blocks' scores are then one tile's (a renaming of registers).
+The pairs ([kv_heads, 2, head_dim] per block) ride in the ring beside their tile's codes, and the
+codes convert in dim order (one byte permute more), so the scales need no reordering.
 
 8-bit codes become exact fp16 values by byte permutes under an fp16 exponent (int8) or the packed
 e4m3x2 -> f16x2 conversion (code_conversion.py); key scales multiply the [positions, group] scores,
