@@ -333,6 +333,12 @@ def _check_pipelined_decode(options, shape, dtype, block_size, key_offsets: bool
     assert pipelined_supported(query, k_cache, v_cache)
     want = quant_reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows)
     atol, rtol = TOL[dtype]
+    if k_cache.fmt.per_channel and dtype == torch.float16:
+        # The reference rounds each dequantized key to fp16 (error 2^-11 |k|); the kernel rounds the
+        # query's products with the block's scales and zeros instead (2^-11 |q| (15 s + |z|)), larger
+        # where a channel's offset dwarfs its spread. Emulated in torch on these inputs: up to 1.4x
+        # the fp16 tolerance (blocks of 64), 0.95x (blocks of 16). Both are far below the int4 step.
+        atol, rtol = 2 * atol, 2 * rtol
     for num_splits in (1, 2, 5, 40):
         got = paged_decode_attention_quant(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, seq_rows,
                                            num_splits=num_splits, implementation="pipelined")
