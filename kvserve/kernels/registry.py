@@ -651,6 +651,8 @@ CASES: tuple[KernelCase, ...] = (
                         "kv_quant_sinks": 3}, "generic", ATTENTION_TOL, ("decode_attention",), num_splits=1),
     _quant_decode_case("pipelined-int8", {"kv_cache_dtype": "int8"}, "pipelined",
                        {BF16: ATTENTION_TOL[BF16], FP16: ATTENTION_TOL[FP16]}, _QUANT_PIPELINED, interpreter=False),
+    _quant_decode_case("pipelined-int4-keys-per-channel", {"kv_cache_dtype": "int4"}, "pipelined",
+                       {BF16: ATTENTION_TOL[BF16], FP16: ATTENTION_TOL[FP16]}, _QUANT_PIPELINED, interpreter=False),
     _quant_decode_case("pipelined-int4-window-sinks", {"kv_cache_dtype": "int4", "kv_quant_key_layout": "token"},
                        "pipelined",
                        {BF16: ATTENTION_TOL[BF16], FP16: ATTENTION_TOL[FP16]}, _QUANT_PIPELINED, interpreter=False),
