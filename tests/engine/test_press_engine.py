@@ -170,7 +170,7 @@ def test_a_window_format_is_refused_with_the_reason(checkpoint):
         engine.add_request("a", {"prompt_token_ids": PROMPT}, _greedy(kv_press="snapkv", kv_keep_ratio=0.5))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8", "int4"])      # int4: keys per channel, no window
 def test_quantized_formats_are_pruned_too(checkpoint, kv_cache_dtype):
     folder, _ = checkpoint
     engine = _engine(folder, kv_cache_dtype=kv_cache_dtype)
