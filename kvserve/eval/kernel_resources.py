@@ -160,8 +160,7 @@ def pipelined_decode(fmt: str, tile: int | None, stages: int, max_registers: int
     from kvserve.kernels.triton.decode_attention_quant_pipelined import (NUM_WARPS, _decode_split_pipelined_kernel,
                                                                          head_warps as engine_head_warps,
                                                                          pipelined_config)
-    from kvserve.kernels.triton.kv_store_quant import FORMAT_CODES
-    from kvserve.kernels.triton.kv_store_quant import CHANNEL_FORMAT
+    from kvserve.kernels.triton.kv_store_quant import CHANNEL_FORMAT, FORMAT_CODES
     head_dim, kv_heads, block_size = 128, 4, 16
     channel = fmt == "int4-channel"           # int4 keys per channel and block, int4 values per token
     fmt = "int4" if channel else fmt
