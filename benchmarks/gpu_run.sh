@@ -202,9 +202,10 @@ if [[ $what == *" overload "* ]]; then   # swap / auto / recompute preemption un
     --kv-cache-memory 2GiB --kv-host-memory 16GiB --json "$OUT/h200_preemption_overload.json" 2>&1 | tail -5
 fi
 if [[ $what == *" multiturn "* ]]; then   # multi-turn chat, working set 4x the GPU KV: host tier against none
-  # MULTITURN_POLICY: the host tier's write policy (default: the engine's, write-back)
+  # MULTITURN_POLICY: the host tier's write policy (default: the engine's, write-through on CUDA)
   policy=${MULTITURN_POLICY:+--kv-host-write-policy $MULTITURN_POLICY}
-  timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b $policy \
+  # MULTITURN_ARGS: more of the bench's flags (e.g. --phases: where TTFT went)
+  timeout 330 python3 benchmarks/kv/multiturn_bench.py --model-shape qwen7b $policy ${MULTITURN_ARGS:-} \
     --out "$OUT/h200_multiturn_qwen7b${MULTITURN_POLICY:+_$MULTITURN_POLICY}.json" \
     2>&1 | tail -12 | tee "$OUT/gpu_multiturn${MULTITURN_POLICY:+_$MULTITURN_POLICY}.log"
 fi

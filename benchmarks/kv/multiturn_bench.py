@@ -63,6 +63,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from kvserve.config import add_engine_args, engine_options_from_args  # noqa: E402
 from kvserve.eval.timing import now, percentile  # noqa: E402
+from kvserve.sched import phases  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "kv"
 
@@ -309,7 +310,45 @@ def _warmup(engine, workload: Workload, concurrency: int, vocab_size: int) -> No
                         rng.randrange(low, vocab_size) for _ in range(len(workload.conversations[0].user_messages[0]))]
 
 
-def drive(engine, workload: Workload, concurrency: int) -> dict[str, Any]:
+def ttft_phases(record: list, arrival: float, first_token: float) -> dict[str, float]:
+    """Where one traced request's TTFT went (RequestOutput.phases, kvserve/sched/phases.py): queued
+    (waiting for admission), kv_load (its host-tier prefix coming up), prefill (the steps that ran its
+    chunks, each whole step: the batch's decodes and other prompts included), and the rest (admitted,
+    between its steps: a step in flight it was not part of, or a load landed and not yet scheduled)."""
+    spent = {"queued_s": 0.0, "kv_load_s": 0.0, "prefill_s": 0.0}
+    chunks = chunk_tokens = batch_tokens = 0
+    for name, start, end, attrs in record:
+        if end is None or start >= first_token:
+            continue
+        end = min(end, first_token)
+        if name == phases.QUEUED:
+            spent["queued_s"] += end - start
+        elif name == phases.KV_LOAD:
+            spent["kv_load_s"] += end - start
+        elif name == phases.PREFILL_CHUNK:
+            spent["prefill_s"] += end - start
+            chunks += 1
+            chunk_tokens += int(attrs.get("tokens", 0))
+            batch_tokens += int(attrs.get("batch_tokens", 0))
+    ttft = first_token - arrival
+    spent["other_s"] = max(0.0, ttft - sum(spent.values()))
+    spent.update(prefill_chunks=chunks, prefill_tokens=chunk_tokens, prefill_batch_tokens=batch_tokens)
+    return spent
+
+
+def summarize_phases(records: list[dict]) -> Optional[dict[str, Any]]:
+    """Means and medians of the TTFT breakdown over the traced requests (None: none traced)."""
+    traced = [r["ttft_phases"] for r in records if r.get("ttft_phases")]
+    if not traced:
+        return None
+    out: dict[str, Any] = {"requests": len(traced)}
+    for key in traced[0]:
+        values = sorted(float(t[key]) for t in traced)
+        out[key] = {"mean": round(sum(values) / len(values), 5), "p50": round(percentile(values, 50), 5)}
+    return out
+
+
+def drive(engine, workload: Workload, concurrency: int, trace: bool = False) -> dict[str, Any]:
     """Sends the workload's turns in its order and steps the engine until every answer is in.
     Closed loop: at most `concurrency` requests in flight. Open loop (workload.arrival_offsets): each
     turn is sent at its arrival, or when its conversation's previous answer is in if that is later
@@ -340,7 +379,7 @@ def drive(engine, workload: Workload, concurrency: int) -> dict[str, Any]:
                 arrival = max(due, done_at.get(conv, due))
             prompt = workload.prompt(conv, turn, answers[conv])
             request_id = engine.add_request(f"c{conv}t{turn}", {"prompt_token_ids": prompt}, params,
-                                            arrival_time=arrival)
+                                            arrival_time=arrival, trace=trace)
             busy[conv] = request_id
             inflight[request_id] = (conv, turn, len(prompt), now())
             next_item += 1
@@ -367,6 +406,9 @@ def drive(engine, workload: Workload, concurrency: int) -> dict[str, Any]:
                                           if metrics is not None and metrics.finished_time is not None
                                           else finished - sent),
                             "preemptions": metrics.num_preemptions if metrics is not None else 0})
+            if out.phases is not None and ttft is not None:
+                records[-1]["ttft_phases"] = {k: round(v, 6) if isinstance(v, float) else v for k, v in ttft_phases(
+                    out.phases, metrics.arrival_time, metrics.first_token_time).items()}
     return {"records": records, "answers": answers, "seconds": now() - start}
 
 
@@ -397,6 +439,7 @@ def summarize(run: dict, before: dict, after: dict, workload: Workload) -> dict[
         "requests_per_s": round(len(records) / seconds, 3),
         "seconds": round(seconds, 3), "requests": len(records), "output_tokens": output_tokens,
         "counters": counters,
+        "ttft_phases": summarize_phases(records),
     }
 
 
@@ -497,6 +540,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         help="host tier size (without --kv-host-memory): this x the working set")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="a few requests in their own namespace before each config's clock starts")
+    parser.add_argument("--phases", action=argparse.BooleanOptionalAction, default=False,
+                        help="trace every request and report where its TTFT went (queued, KV load, prefill steps, "
+                             "the rest)")
     parser.add_argument("--records", action=argparse.BooleanOptionalAction, default=False,
                         help="also write every request's record to the JSON")
     parser.add_argument("--threads", type=int, default=None,
@@ -597,7 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.warmup:
             _warmup(engine, workload, args.concurrency, vocab)
         before = _counters(engine)
-        run = drive(engine, workload, args.concurrency)
+        run = drive(engine, workload, args.concurrency, trace=args.phases)
         after = _counters(engine)
         summary = summarize(run, before, after, workload)
         summary.update({"kv_host_memory": options["kv_host_memory"], "host_tier_blocks": host_blocks,
@@ -610,6 +656,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{summary['host_hit_rate']:.3f})  TTFT p50 {summary['ttft_p50_s'] * 1e3:9.1f} ms  p99 "
               f"{summary['ttft_p99_s'] * 1e3:9.1f} ms  {summary['output_tokens_per_s']:9.1f} out tok/s  "
               f"{summary['seconds']:7.2f} s  preemptions {summary['counters']['preemptions']}", flush=True)
+        if summary["ttft_phases"]:
+            ph = summary["ttft_phases"]
+            print("         TTFT mean: " + ", ".join(f"{k[:-2]} {ph[k]['mean'] * 1e3:.1f} ms" for k in
+                                                     ("queued_s", "kv_load_s", "prefill_s", "other_s"))
+                  + f"; {ph['prefill_chunks']['mean']:.2f} chunks of {ph['prefill_tokens']['mean']:.0f} tokens in "
+                  f"steps of {ph['prefill_batch_tokens']['mean']:.0f}", flush=True)
         release(engine)
         engine = None
 
