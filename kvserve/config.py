@@ -198,6 +198,14 @@ class CacheConfig:
                                                      "finds every block), write-back on CPU (copies there run on "
                                                      "the step)",
                                                choices=("write-back", "write-through", "selective"))
+    kv_host_inline_load_ms: float = _opt(4.0, "a host-tier load (a prefix hit or a swap-in) expected to take at most "
+                                            "this many milliseconds (its bytes over the link rate measured at "
+                                            "start), or any load while no request is running, runs in the step "
+                                            "that admits its request: that step's forward waits for it on the "
+                                            "GPU, and the request's first chunk computes in it; longer loads "
+                                            "stream in beside the running steps and their request joins a later "
+                                            "step; 0 = every load streams beside",
+                                       **bounds(ge=0.0, unit="milliseconds"))
     kv_host_min_uses: int = _opt(2, "selective write policy: requests that must have used a block (its first "
                                     "computation included) for its eviction to copy it to the host tier", **bounds(ge=1))
     # The tiers below the host (kvserve/kvstore/cold_tier.py, engine/cold_tiers.py; docs/kv_tiers.md).

@@ -73,6 +73,7 @@ class TransferStats:
     write_back_blocks_dropped: int   # blocks not written back under back-pressure (too many write-back bytes in flight)
     copy_failures: int           # copies that raised: a load recomputes, a write-back is forgotten
     loads_by_copy_engine: int = 0    # loads issued as memcpys + scatters where the block-copy kernel runs
+    loads_inline: int = 0        # loads issued inline in their request's step (BlockCopy.inline), landed or not
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,9 @@ class Engine:
             self.runner.register_store(HOST_STORE, self.host_store)
             link = self.runner.transfers.measure_link(HOST_STORE)
             logger.info("host KV tier link: %.1f GB/s host to device (measured)", link / 1e9)
+            inline_ms = cache_cfg.kv_host_inline_load_ms
+            self.kv_manager.inline_loads_when_idle = inline_ms > 0
+            self.kv_manager.inline_load_max_blocks = int(inline_ms / 1e3 * link) // self.host_store.block_nbytes
             # Measured link and prefill rates: auto preemption weighs them, and so does the cold
             # tiers' prefetch (a read slower than recomputing is not started).
             if preemption_mode == "auto" or cache_cfg.kv_disk_path or cache_cfg.kv_remote_url:
@@ -525,6 +528,8 @@ class Engine:
                         f"free)")
                 return outputs
             press_due = self.press.due(sched_out)
+            if sched_out.block_copies:
+                self._issue_block_copies(sched_out)
             if self._async and not press_due and self.runner.can_launch_ahead(sched_out):
                 launched = self.runner.launch(sched_out, self.kv_manager.block_tables, self._inflight,
                                               self._grammar_bitmask)
@@ -566,6 +571,17 @@ class Engine:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
                 if self.preemption_cost is not None:
                     self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed)
+
+    def _issue_block_copies(self, sched_out: SchedulerOutput) -> None:
+        """Issues the step's block copies ahead of its forward. An inline load (BlockCopy.inline) that
+        failed as it was issued takes its request out of the batch (it recomputes once the failure
+        is reported), so no forward reads blocks that never arrived."""
+        failed = self.runner.run_block_copies(sched_out.block_copies, beside_a_batch=bool(sched_out.scheduled))
+        sched_out.block_copies = []
+        held = {request_id for request_id in map(self.kv_manager.take_back_inline, failed) if request_id is not None}
+        if held:
+            logger.warning("%d inline KV load(s) failed as issued: their requests recompute", len(held))
+            self.scheduler.hold_for_load(sched_out, held)
 
     def _record_step_phases(self, sched_out: SchedulerOutput, started: float, ended: float,
                             utilization: float) -> None:

@@ -128,6 +128,14 @@ class KVCacheManager:
         self._loading: dict[str, int] = {}
         self._orphaned: dict[int, list[int]] = {}
         self._next_ticket = 0
+        # Loads of at most this many blocks run in the step that admits their request (its forward
+        # waits for them on the device) instead of holding the request back until they land: a
+        # small load costs the step less than the step or two its request would wait
+        # (--kv-host-inline-load-ms; the engine sets it from the measured link rate). `_inline`: such
+        # inline loads' tickets, in flight.
+        self.inline_load_max_blocks = 0
+        self.inline_loads_when_idle = False
+        self._inline: set[int] = set()
         # Host blocks a request is bringing in (loading, or landed and not yet published to the GPU
         # cache) -> that request, and each such request's host ids. Another request whose hit
         # reaches them waits for that one to publish them (a GPU hit then) rather than loading
@@ -185,13 +193,29 @@ class KVCacheManager:
         else:
             self._pending_copies.append((source, destination, purpose, ticket, list(src_ids), list(dst_ids)))
 
-    def _new_ticket(self, request_id: str, purpose: str, host_ids: list[int]) -> int:
+    def _new_ticket(self, request_id: str, purpose: str, host_ids: list[int], inline: bool = False) -> int:
         ticket = self._next_ticket
         self._next_ticket += 1
         self._transfers[ticket] = _Transfer(request_id, purpose, host_ids)
-        if purpose not in (SWAP_OUT, RECALL):
+        if inline:
+            self._inline.add(ticket)
+        elif purpose not in (SWAP_OUT, RECALL):
             self._loading[request_id] = ticket
         return ticket
+
+    def _runs_inline(self, num_blocks: int, any_size: bool) -> bool:
+        return (any_size and self.inline_loads_when_idle) or num_blocks <= self.inline_load_max_blocks
+
+    def take_back_inline(self, ticket: int) -> Optional[str]:
+        """An inline load that failed as it was issued (its step has not run): its request is held
+        back as a loading one, so the ticket's failure report sends it to recompute like any failed
+        load. Returns the request's id (None: not an inline ticket in flight)."""
+        if ticket not in self._inline:
+            return None
+        self._inline.discard(ticket)
+        request_id = self._transfers[ticket].request_id
+        self._loading[request_id] = ticket
+        return request_id
 
     def is_loading(self, request_id: str) -> bool:
         """Its blocks are being copied in from a tier: it may not run, and its table stays put."""
@@ -204,6 +228,7 @@ class KVCacheManager:
         transfer = self._transfers.pop(ticket, None)
         if transfer is None:
             return None
+        self._inline.discard(ticket)
         request_id = transfer.request_id
         if self._loading.get(request_id) == ticket:
             del self._loading[request_id]
@@ -282,7 +307,8 @@ class KVCacheManager:
         self._swapped[request_id] = (host_ids, state)
         return True
 
-    def _swap_in(self, request_id: str, num_total_tokens: int, tenant: Optional[str]) -> bool:
+    def _swap_in(self, request_id: str, num_total_tokens: int, tenant: Optional[str],
+                 inline_any_load: bool = False) -> bool:
         host_ids, state = self._swapped[request_id]
         needed = blocks_for_tokens(num_total_tokens, self.block_size)
         if needed > self.pool.num_free_blocks or not self._make_quota_room(tenant, needed, ()):
@@ -291,7 +317,7 @@ class KVCacheManager:
         self.host_tier.swap_in(host_ids)        # held before allocating: write-backs must not take them
         table = self._block_tables[request_id] = self.pool.allocate(needed, tenant)
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, table[:len(host_ids)], SWAP_IN,
-                           self._new_ticket(request_id, SWAP_IN, host_ids))
+                           self._new_ticket(request_id, SWAP_IN, host_ids, self._runs_inline(len(host_ids), inline_any_load)))
         if state is not None:
             self._cache_states[request_id] = state
         return True
@@ -306,7 +332,8 @@ class KVCacheManager:
         depths = self._write_back_depths
         copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket,
                             after_inflight=destination != DEVICE_STORE or not self._touched.isdisjoint(dst),
-                            depths=tuple(depths.get(block_id, 0) for block_id in src) if purpose == WRITE_BACK else ())
+                            depths=tuple(depths.get(block_id, 0) for block_id in src) if purpose == WRITE_BACK else (),
+                            inline=ticket in self._inline)
                   for source, destination, purpose, ticket, src, dst in self._pending_copies]
         self._pending_copies = []
         self._write_back_depths = {}
@@ -518,16 +545,19 @@ class KVCacheManager:
         return self.pool.owned[tenant]
 
     def allocate_slots(self, request_id: str, num_total_tokens: int, prefix: Optional[PrefixHit] = None,
-                       sequence: Optional[HashedSequence] = None, tenant: Optional[str] = None) -> bool:
+                       sequence: Optional[HashedSequence] = None, tenant: Optional[str] = None,
+                       inline_any_load: bool = False) -> bool:
         """Grows the request's table to hold `num_total_tokens`; False (nothing changed) if the pool
         lacks the blocks, or its `tenant` would go over its KV quota (`quota_shortfall`), so the
         scheduler can preempt and retry. A first allocation may start the table with a prefix hit,
         and with `sequence` (a prefix-cache-enabled request) the request's full blocks are
-        published to the cache as they are computed."""
+        published to the cache as they are computed. A load from the host this starts runs inline
+        in the step (`inline_load_max_blocks`; any size with `inline_any_load`: nothing else runs), or makes
+        the request a loading one (`is_loading`)."""
         if tenant is None:
             tenant = self._tenant_of.get(request_id)
         if request_id in self._swapped:
-            return self._swap_in(request_id, num_total_tokens, tenant)
+            return self._swap_in(request_id, num_total_tokens, tenant, inline_any_load)
         table = self._block_tables.get(request_id)
         if table is not None:
             prefix = None       # hits only start a table
@@ -550,7 +580,7 @@ class KVCacheManager:
                 # The tail is held before the load allocates: it must not be evicted to make room.
                 for block_id in prefix.tail_block_ids:
                     self.pool.acquire_cached(block_id)
-                self._load_from_host(request_id, prefix.host_block_ids, table, tenant)
+                self._load_from_host(request_id, prefix.host_block_ids, table, tenant, inline_any_load)
                 table.extend(prefix.tail_block_ids)
             if self.prefix_cache is not None and sequence is not None:
                 # Loaded blocks are published to the GPU cache like computed ones, after the step.
@@ -578,14 +608,15 @@ class KVCacheManager:
         return True
 
     def _load_from_host(self, request_id: str, host_ids: list[int], table: list[int],
-                        tenant: Optional[str] = None) -> None:
+                        tenant: Optional[str] = None, inline_any_load: bool = False) -> None:
         # Held first: allocating may evict GPU blocks, and their write-backs must not take the host
         # blocks these loads read. The write-backs are queued first, so they read their GPU blocks
         # before these loads overwrite them.
         self.host_tier.begin_load(host_ids, self.block_size)
         device_ids = self.pool.allocate(len(host_ids), tenant)
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids, LOAD,
-                           self._new_ticket(request_id, LOAD, list(host_ids)))
+                           self._new_ticket(request_id, LOAD, list(host_ids),
+                                            self._runs_inline(len(host_ids), inline_any_load)))
         table.extend(device_ids)
         self._incoming_of[request_id] = list(host_ids)
         for host_id in host_ids:

@@ -69,6 +69,9 @@ class BlockCopy:
     # A write-back's source blocks' depths in their prefix chains (empty: unknown). Cut short under
     # back-pressure, it drops the deepest first: the host keeps the fronts that hits pass through.
     depths: tuple[int, ...] = ()
+    # A load whose request computes in this same step: the step's forward waits for it on the
+    # device (KVCacheManager.inline_load_max_blocks). Otherwise the request waits for its ticket.
+    inline: bool = False
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):

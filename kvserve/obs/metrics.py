@@ -99,6 +99,7 @@ HOST_TIER_METRIC_NAMES = (
     f"{NAMESPACE}:kv_host_load_seconds",
     f"{NAMESPACE}:kv_host_copy_failures_total",
     f"{NAMESPACE}:kv_host_loads_joined_total",
+    f"{NAMESPACE}:kv_host_loads_inline_total",
 )
 # Present only with a disk or remote KV tier (--kv-disk-path, --kv-remote-url; docs/kv_tiers.md),
 # one series per tier (label `tier`: disk, remote).
@@ -453,6 +454,9 @@ class _EngineStateCollector:
                 yield counter("kv_host_copy_failures", "Copies to or from the host tier that failed (a load "
                               "or swap recomputes its request, a write-back is forgotten).",
                               transfers.copy_failures)
+                yield counter("kv_host_loads_inline", "Loads from the host tier run inline in the step that "
+                              "admitted their request (its forward waited for the copy; --kv-host-inline-load-ms) "
+                              "rather than beside the running steps.", transfers.loads_inline)
             swaps = CounterMetricFamily(f"{NAMESPACE}:kv_host_swaps", "Swap preemption: requests whose KV went to "
                                         "the host tier (out), came back (in), or recomputed for lack of room (failed).",
                                         labels=labels + ["event"])

@@ -548,6 +548,18 @@ class Scheduler:
             if request.phases is not None:
                 request.phases.end(phases.KV_LOAD, time.monotonic(), ok=True)
 
+    def hold_for_load(self, out: SchedulerOutput, request_ids: set[str]) -> None:
+        """Requests whose inline load failed as it was issued (KVCacheManager.take_back_inline) leave this
+        step's batch before it runs and wait as loading ones: the load's failure report then
+        sends them to recompute (`complete_transfers`)."""
+        out.scheduled = [item for item in out.scheduled if item.request.request_id not in request_ids]
+        for request in [r for r in self.running if r.request_id in request_ids]:
+            self.running.remove(request)
+            request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            self.loading[request.request_id] = request
+            if request.phases is not None:
+                request.phases.begin(phases.KV_LOAD, time.monotonic(), tier="host", failed_inline=True)
+
     def _requeue_for_recompute(self, request: Request) -> None:
         request.reset_kv()
         if self.loading.pop(request.request_id, None) is not None:
@@ -683,8 +695,10 @@ class Scheduler:
                 continue                # it would take another class's reservation: it waits
             if self.kv_manager.quota_shortfall(request.tenant, needed, hit.gpu_block_ids if hit is not None else ()):
                 continue                # its tenant is at its KV quota: it waits, others may go
+            # With nothing running, a load of any size runs in this step: no batch waits for it.
             if not self.kv_manager.allocate_slots(request.request_id, kv_base + num_new, hit,
-                                                  request if caching else None, tenant=request.tenant):
+                                                  request if caching else None, tenant=request.tenant,
+                                                  inline_any_load=not self.running):
                 break
             if held is not None and request.qos_class is not None:
                 held[request.qos_class] = held.get(request.qos_class, 0) + needed
@@ -728,6 +742,9 @@ class Scheduler:
             else:
                 blocks = -(-request.num_kv_tokens // self.kv_manager.block_size)
                 recorder.begin(phases.KV_LOAD, now, tier="host", kind="swap_in", blocks=blocks)
+        elif host_blocks:               # an inline load: its time is the first chunk's
+            recorder.add(phases.KV_LOAD, now, now, tier="host", kind="prefix", blocks=host_blocks, ok=True,
+                         inline=True)
 
     @staticmethod
     def _count_bypasses(fifo: list[Request], admitted: set[str]) -> None:

@@ -198,14 +198,19 @@ class KVTransfers:
                              f"got {self._copy_engine_loads!r}")
         self._beside_a_batch = False
         self.loads_by_copy_engine = 0      # issued on the copy-engine path (the rest by the kernel)
+        self.loads_inline = 0              # issued inline in their request's step (BlockCopy.inline)
 
     # --- issuing ------------------------------------------------------------------------------
-    def run(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> None:
+    def run(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> list[int]:
         """Issues the step's copies (in their order for each direction); returns without waiting.
-        `beside_a_batch`: the step runs a forward too, which the loads must disturb little."""
+        `beside_a_batch`: the step runs a forward too, which the loads must disturb little. A load
+        inline in the step (`BlockCopy.inline`) makes the main stream wait for it, so the
+        forward queued next reads its blocks; it takes the link at full rate, since the batch waits
+        for it anyway. Returns the tickets of inline loads that failed as they were issued: their
+        requests must leave the step before its forward (Scheduler.hold_for_load)."""
         if not copies:
-            return
-        self._load_programs = LINK_PROGRAMS_BESIDE_A_BATCH if beside_a_batch else LINK_PROGRAMS
+            return []
+        programs = LINK_PROGRAMS_BESIDE_A_BATCH if beside_a_batch else LINK_PROGRAMS
         self._beside_a_batch = beside_a_batch
         outs = [copy for copy in copies if copy.destination != DEVICE_STORE]
         ins = [copy for copy in copies if copy.destination == DEVICE_STORE]
@@ -218,17 +223,31 @@ class KVTransfers:
             self._issue_logged(copy)
         # A block written back this step may already be the source of one of its loads.
         lost = set(self._report.lost_host_blocks[lost_before:])
+        failed_inline: list[int] = []
         for copy in ins:
+            self._load_programs = LINK_PROGRAMS if copy.inline else programs
             if lost.intersection(copy.src_block_ids):
                 self._lose(copy)
+                issued = None
             else:
-                self._issue_logged(copy)
+                issued = self._issue_logged(copy)
+            if not copy.inline:
+                continue
+            self.loads_inline += 1
+            if issued is None or issued.failed:
+                failed_inline.append(copy.ticket)
+            elif issued.done is not None:
+                torch.cuda.current_stream(self.device).wait_event(issued.done)
+        self._load_programs = programs
         self._load_targets, self._gathered = set(), {}
+        return failed_inline
 
-    def _issue_logged(self, copy: BlockCopy) -> None:
-        """Issues a copy; a copy that fails at run time (a CUDA or allocation error) is logged,
-        counted and reported lost. A copy naming an unknown store is a bug and raises."""
+    def _issue_logged(self, copy: BlockCopy) -> Optional[_Pending]:
+        """Issues a copy and returns its pending record (None: nothing in flight). A copy that fails
+        at run time (a CUDA or allocation error) is logged, counted and reported lost. A copy naming
+        an unknown store is a bug and raises."""
         source, destination = self._store(copy.source), self._store(copy.destination)
+        before = len(self._pending)
         try:
             self._issue(copy, source, destination)
         except RuntimeError:
@@ -236,6 +255,8 @@ class KVTransfers:
                              copy.purpose, len(copy.src_block_ids))
             self.copy_failures += 1
             self._lose(copy)
+            return None
+        return self._pending[-1] if len(self._pending) > before else None
 
     def _lose(self, copy: BlockCopy) -> None:
         if copy.ticket is not None:
@@ -539,4 +560,4 @@ class KVTransfers:
     def make_stats(self) -> TransferStats:
         return TransferStats(self.bytes_to_device, self.bytes_to_host, self.loads, self.load_seconds,
                              tuple(zip(LOAD_SECONDS_BUCKETS, self._load_buckets)), self.write_back_blocks_dropped,
-                             self.copy_failures, self.loads_by_copy_engine)
+                             self.copy_failures, self.loads_by_copy_engine, self.loads_inline)

@@ -274,9 +274,10 @@ class ModelRunner:
         self.kv_store.check_same_layout(store)
         self.kv_stores[name] = store
 
-    def run_block_copies(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> None:
-        """Issues the step's block copies before its forward (kvserve/worker/kv_transfer.py)."""
-        self.transfers.run(copies, beside_a_batch)
+    def run_block_copies(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> list[int]:
+        """Issues the step's block copies before its forward (kvserve/worker/kv_transfer.py);
+        returns the tickets of inline loads (BlockCopy.inline) that failed as they were issued."""
+        return self.transfers.run(copies, beside_a_batch)
 
     def _sampled_logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
         if sample_rows[-1] - sample_rows[0] == len(sample_rows) - 1:

@@ -1,7 +1,9 @@
 """Tier copies off the step's critical path (kvserve/worker/kv_transfer.py): a request whose KV comes
-from the host waits outside the batch until its copy is reported landed, a failed copy makes it
-recompute (same tokens), and a request aborted while loading gives its blocks back only after the
-copy has landed. On CPU copies run at once and are reported at the next poll: the same path."""
+from the host waits outside the batch until its copy is reported landed (a load too long to run
+inline in the step: --kv-host-inline-load-ms 0 here), or computes in the step that issues a small load (the
+step waits for it); a failed copy makes it recompute (same tokens) either way, and a request
+aborted while loading gives its blocks back only after the copy has landed. On CPU copies run at
+once and are reported at the next poll: the same path."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from kvserve.worker.kv_transfer import KVTransfers
 
 BLOCK = 4
 PROMPT = [3 + (7 * i) % 200 for i in range(41)]          # 10 full blocks + 1 token
+FRESH = [2, 2, 2, 2, 5, 5, 5, 5, 9]                        # shares no block with the prompts above
 FILLERS = [[11 + (13 * i + 5 * j) % 230 for i in range(41)] for j in range(4)]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -48,7 +51,7 @@ def _evict_to_host(llm: LLM) -> list[int]:
 
 
 def test_a_host_hit_waits_outside_the_batch_until_its_copy_lands(folder):
-    llm = _llm(folder)
+    llm = _llm(folder, kv_host_inline_load_ms=0)
     cold = _evict_to_host(llm)
     engine = llm.engine
     request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
@@ -68,8 +71,9 @@ def test_a_host_hit_waits_outside_the_batch_until_its_copy_lands(folder):
     assert sum(count for _, count in stats.transfers.load_buckets) == stats.transfers.loads
 
 
-def test_a_failed_load_recomputes_with_the_same_tokens(folder, monkeypatch):
-    llm = _llm(folder)
+@pytest.mark.parametrize("inline_ms", [0.0, 1e6], ids=["beside", "inline"])
+def test_a_failed_load_recomputes_with_the_same_tokens(folder, monkeypatch, inline_ms):
+    llm = _llm(folder, kv_host_inline_load_ms=inline_ms)
     cold = _evict_to_host(llm)
     store = llm.engine.host_store
     real = KVCacheStore.take_rows
@@ -100,8 +104,68 @@ def test_a_failed_load_recomputes_with_the_same_tokens(folder, monkeypatch):
     assert _tokens(llm, PROMPT) == cold
 
 
+def _step_until_output(engine, request_id: str) -> int:
+    """Steps until the request has a token; returns how many steps that took."""
+    for steps in range(1, 50):
+        engine.step()
+        if engine._groups[request_id].children[0].output_token_ids:
+            return steps
+    raise AssertionError("no token in 50 steps")
+
+
+def test_a_small_host_hit_computes_in_the_step_that_loads_it(folder):
+    """Under --kv-host-inline-load-ms the load runs inline in the step that admits the request (its forward
+    waits for the copy): the first token comes from that step, beside a running request, with the
+    cold run's tokens; with inline loads off the same hit waits a step outside the batch."""
+    for inline_ms, expected_steps in ((1e6, 1), (0.0, 2)):
+        llm = _llm(folder, kv_host_inline_load_ms=inline_ms)
+        cold = _evict_to_host(llm)
+        engine = llm.engine
+        running = engine.add_request(None, {"prompt_token_ids": FRESH}, PARAMS)
+        _step_until_output(engine, running)             # a batch is running: only a small load runs inline
+        assert engine.kv_manager.inline_load_max_blocks >= (10 if inline_ms else 0)
+        request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
+        assert _step_until_output(engine, request_id) == expected_steps, inline_ms
+        final = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id and output.finished:
+                    final = output.outputs[0].token_ids
+        assert list(final) == cold
+        stats = engine.make_stats().kv_cache
+        assert stats.host.hit_tokens == 10 * BLOCK and stats.host.load_failures == 0
+        assert stats.transfers.loads_inline == (1 if inline_ms else 0)
+        assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_a_load_of_any_size_runs_inline_when_nothing_runs(folder):
+    """A load over the inline bound streams beside a running batch but runs inline when no
+    request runs (nothing waits for it there)."""
+    llm = _llm(folder, kv_host_inline_load_ms=1e-9)      # bound: 0 blocks
+    cold = _evict_to_host(llm)
+    engine = llm.engine
+    assert engine.kv_manager.inline_load_max_blocks == 0
+    request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
+    assert _step_until_output(engine, request_id) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    for filler in FILLERS:                             # evict it again
+        _tokens(llm, filler)
+    running = engine.add_request(None, {"prompt_token_ids": FRESH}, PARAMS)
+    _step_until_output(engine, running)
+    request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
+    engine.step()
+    assert engine._groups[request_id].children[0].request_id in engine.scheduler.loading
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                final = output.outputs[0].token_ids
+    assert list(final) == cold
+
+
 def test_abort_while_loading_frees_the_blocks_once_the_copy_lands(folder):
-    llm = _llm(folder)
+    llm = _llm(folder, kv_host_inline_load_ms=0)
     _evict_to_host(llm)
     engine = llm.engine
     manager = engine.kv_manager
