@@ -113,6 +113,16 @@ def _step_until_output(engine, request_id: str) -> int:
     raise AssertionError("no token in 50 steps")
 
 
+def _step_until_finished(engine, request_id: str) -> list[int]:
+    """Steps until nothing is left; returns the request's tokens."""
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                final = list(output.outputs[0].token_ids)
+    return final
+
+
 def test_a_small_host_hit_computes_in_the_step_that_loads_it(folder):
     """Under --kv-host-inline-load-ms the load runs inline in the step that admits the request (its forward
     waits for the copy): the first token comes from that step, beside a running request, with the
@@ -126,12 +136,7 @@ def test_a_small_host_hit_computes_in_the_step_that_loads_it(folder):
         assert engine.kv_manager.inline_load_max_blocks >= (10 if inline_ms else 0)
         request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
         assert _step_until_output(engine, request_id) == expected_steps, inline_ms
-        final = None
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.request_id == request_id and output.finished:
-                    final = output.outputs[0].token_ids
-        assert list(final) == cold
+        assert _step_until_finished(engine, request_id) == cold
         stats = engine.make_stats().kv_cache
         assert stats.host.hit_tokens == 10 * BLOCK and stats.host.load_failures == 0
         assert stats.transfers.loads_inline == (1 if inline_ms else 0)
@@ -156,12 +161,7 @@ def test_a_load_of_any_size_runs_inline_when_nothing_runs(folder):
     request_id = engine.add_request(None, {"prompt_token_ids": PROMPT}, PARAMS)
     engine.step()
     assert engine._groups[request_id].children[0].request_id in engine.scheduler.loading
-    final = None
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                final = output.outputs[0].token_ids
-    assert list(final) == cold
+    assert _step_until_finished(engine, request_id) == cold
 
 
 def test_abort_while_loading_frees_the_blocks_once_the_copy_lands(folder):
