@@ -480,6 +480,14 @@ class KVCacheManager:
         if self.host_tier is not None and len(blocks) < max_blocks:
             parent = seq.block_hashes[len(blocks) - 1] if blocks else seq.cache_root
             host = self.host_tier.lookup(seq.block_hashes, tokens, parent, seq.cache_namespace, len(blocks), max_blocks)
+            # The host also holds blocks the GPU cache still has (write-through copies every full
+            # block): the stretch ends where the GPU has the prefix again, so those are not loaded.
+            for offset in range(1, len(host)):
+                index = len(blocks) + offset
+                if self.prefix_cache.lookup(seq.block_hashes, tokens, seq.block_hashes[index - 1],
+                                            seq.cache_namespace, index + 1, start=index):
+                    host = host[:offset]
+                    break
             after = len(blocks) + len(host)
             if host and after < max_blocks:
                 tail = self.prefix_cache.lookup(seq.block_hashes, tokens, seq.block_hashes[after - 1],

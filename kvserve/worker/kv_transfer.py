@@ -225,7 +225,10 @@ class KVTransfers:
         lost = set(self._report.lost_host_blocks[lost_before:])
         failed_inline: list[int] = []
         for copy in ins:
+            # An inline load has the link to itself as if alone (long runs by the copy engine, else
+            # the kernel on every link program): the step's forward waits for it anyway.
             self._load_programs = LINK_PROGRAMS if copy.inline else programs
+            self._beside_a_batch = beside_a_batch and not copy.inline
             if lost.intersection(copy.src_block_ids):
                 self._lose(copy)
                 issued = None
@@ -238,7 +241,7 @@ class KVTransfers:
                 failed_inline.append(copy.ticket)
             elif issued.done is not None:
                 torch.cuda.current_stream(self.device).wait_event(issued.done)
-        self._load_programs = programs
+        self._load_programs, self._beside_a_batch = programs, beside_a_batch
         self._load_targets, self._gathered = set(), {}
         return failed_inline
 

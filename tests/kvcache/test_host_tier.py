@@ -86,15 +86,17 @@ def test_a_second_request_on_blocks_being_loaded_waits_and_hits_the_gpu_cache(fo
     assert stats.prefix_cache.hit_tokens - gpu_hits_before == 10 * BLOCK  # the second's GPU hit
 
 
-def test_a_prefix_cached_on_the_gpu_again_after_a_host_stretch_is_hit_past_it(folder):
+@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+def test_a_prefix_cached_on_the_gpu_again_after_a_host_stretch_is_hit_past_it(folder, policy):
     """GPU, then host, then GPU: with a stretch from the middle of a cached prefix evicted to the
     host (a tenant's quota eviction keeps the blocks a hit needs and takes others), a later hit
     takes the head from the GPU, loads the stretch and takes the tail from the GPU too, instead of
-    recomputing the tail; the tokens are the cold run's."""
+    recomputing the tail; the tokens are the cold run's. Under write-through the host holds the
+    tail too: it still comes from the GPU (the stretch ends where the GPU has the prefix again)."""
     probe = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=1 << 20)
     block_bytes = probe.engine.kv_bytes_per_token * BLOCK
     llm = LLM(folder, device=TEST_DEVICE, block_size=BLOCK, kv_cache_memory=block_bytes * 40,
-              kv_host_memory=block_bytes * 64, async_scheduling="off")
+              kv_host_memory=block_bytes * 64, async_scheduling="off", kv_host_write_policy=policy)
     cold = _tokens(llm, PROMPT)
     manager = llm.engine.kv_manager
     cache = manager.prefix_cache
