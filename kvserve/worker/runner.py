@@ -237,8 +237,8 @@ class ModelRunner:
     def _forward(self, sched_out: SchedulerOutput, block_tables: dict[str, list[int]],
                  previous: InflightStep | None = None, observe: dict[str, int] | None = None):
         """(ordered items, hidden states, sampled row offsets, their requests). With `observe`
-        (request id -> query rows to record), `self.observed` holds those queries afterwards."""
-        self.run_block_copies(sched_out.block_copies, beside_a_batch=bool(sched_out.scheduled))
+        (request id -> query rows to record), `self.observed` holds those queries afterwards. The
+        step's block copies were issued before (`run_block_copies`, by the engine)."""
         self.observed = {}
         if not sched_out.scheduled:
             return [], None, [], []
@@ -275,7 +275,8 @@ class ModelRunner:
         self.kv_stores[name] = store
 
     def run_block_copies(self, copies: list[BlockCopy], beside_a_batch: bool = False) -> list[int]:
-        """Issues the step's block copies before its forward (kvserve/worker/kv_transfer.py);
+        """Issues a step's block copies; the caller runs it before the step's forward, which
+        then reads what they bring (kvserve/worker/kv_transfer.py);
         returns the tickets of inline loads (BlockCopy.inline) that failed as they were issued."""
         return self.transfers.run(copies, beside_a_batch)
 

@@ -16,7 +16,7 @@ from deepseek_fixtures import build_tiny_deepseek
 from kvserve import SamplingParams
 from kvserve.engine.engine import Engine
 from kvserve.kvstore import KVCacheStore, LayerKV, build_kv_cache_spec
-from kvserve.sched.output import BlockCopy, SchedulerOutput
+from kvserve.sched.output import BlockCopy
 
 PROMPT = [5, 17, 33, 2 + 40, 61, 7, 99, 12, 140, 3, 77, 18, 29, 201, 9, 64, 88, 31, 45, 150]
 MAX_NEW = 16
@@ -181,19 +181,19 @@ def test_transfers_refuse_what_does_not_fit():
                                                   kv_quant_key_layout="token"), 2, 4, "cpu")
 
 
-def test_runner_runs_a_steps_block_copies_before_its_forward(llama_folder):
+def test_runner_runs_block_copies_between_named_stores(llama_folder):
     engine = _engine(llama_folder)
     runner, store = engine.runner, engine.runner.kv_store
     noise = torch.randint(0, 256, (2, store.block_nbytes), dtype=torch.uint8)
     store.write_blocks([0, 1], noise)
     host = KVCacheStore.allocate(store.spec, 4, store.block_size, "cpu")
     runner.register_store("host", host)
-    runner.execute(SchedulerOutput(block_copies=[BlockCopy("device", "host", (0, 1), (3, 2)),
-                                                 BlockCopy("host", "device", (3,), (5,))]), {})
+    assert runner.run_block_copies([BlockCopy("device", "host", (0, 1), (3, 2)),
+                                    BlockCopy("host", "device", (3,), (5,))]) == []
     assert torch.equal(host.read_blocks([3, 2]), noise)
     assert torch.equal(store.read_blocks([5]), noise[:1])
     with pytest.raises(KeyError, match="unknown KV store"):
-        runner.execute(SchedulerOutput(block_copies=[BlockCopy("device", "disk", (0,), (0,))]), {})
+        runner.run_block_copies([BlockCopy("device", "disk", (0,), (0,))])
     with pytest.raises(ValueError, match="as many"):
         BlockCopy("device", "host", (0, 1), (0,))
 
