@@ -61,9 +61,12 @@ from typing import Any, Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from kvserve.config import add_engine_args, engine_options_from_args  # noqa: E402
 from kvserve.eval.timing import now, percentile  # noqa: E402
 from kvserve.sched import phases  # noqa: E402
+
+from step_timeline import StepTimeline  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "kv"
 
@@ -543,6 +546,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--phases", action=argparse.BooleanOptionalAction, default=False,
                         help="trace every request and report where its TTFT went (queued, KV load, prefill steps, "
                              "the rest)")
+    parser.add_argument("--step-timeline", action=argparse.BooleanOptionalAction, default=False,
+                        help="record CUDA events around every step's loads and forward (benchmarks/kv/step_timeline.py): "
+                             "GPU time per step, stalls on inline loads, GPU idle between steps")
     parser.add_argument("--records", action=argparse.BooleanOptionalAction, default=False,
                         help="also write every request's record to the JSON")
     parser.add_argument("--threads", type=int, default=None,
@@ -642,12 +648,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"set ({workload.working_set_tokens})", file=sys.stderr)
         if args.warmup:
             _warmup(engine, workload, args.concurrency, vocab)
+        timeline = StepTimeline(engine) if args.step_timeline else None
         before = _counters(engine)
         run = drive(engine, workload, args.concurrency, trace=args.phases)
         after = _counters(engine)
         summary = summarize(run, before, after, workload)
         summary.update({"kv_host_memory": options["kv_host_memory"], "host_tier_blocks": host_blocks,
                         "engine_build_s": round(build_s, 2)})
+        if timeline is not None:
+            summary["step_timeline"] = timeline.summary()
+            print("         steps: " + "; ".join(
+                f"{kind} {v['steps']} x {v['gpu_ms_mean']:.2f} ms GPU ({v['tokens_mean']:.0f} tokens), waits on loads "
+                f"{v['load_wait_ms_mean']:.2f} ms, idle before {v['idle_before_ms_mean']} ms"
+                for kind, v in summary["step_timeline"]["by_kind"].items()), flush=True)
         if args.records:
             summary["records"] = sorted(run["records"], key=lambda r: (r["turn"], r["conversation"]))
         results[name] = summary

@@ -143,8 +143,8 @@ class KVCacheManager:
         self._incoming: dict[int, str] = {}
         self._incoming_of: dict[str, list[int]] = {}
         self._waiting_for_incoming: set[str] = set()
-        # GPU blocks freed, published or evicted since the last step's copies were taken: the step
-        # in flight may still write or read them, so a load into one waits for it.
+        # GPU blocks freed or published since the last step's copies were taken: the step in flight
+        # may still write or read them, so a load into one (or a write-back gathering one) waits for it.
         self._touched: set[int] = set()
         # This step's evicted blocks written back -> their depth in their prefix chains (BlockCopy.depths).
         self._write_back_depths: dict[int, int] = {}
@@ -167,7 +167,8 @@ class KVCacheManager:
 
     # --- the host tier -----------------------------------------------------------------------------
     def _write_back(self, evicted: list[CachedBlock]) -> None:
-        self._touched.update(cached.block_id for cached in evicted)     # the step in flight may still read them
+        # Not `_touched`: a cached block nobody held when the step in flight was issued is not in
+        # its batch (one freed since is in `_touched` already), so a load into it starts at once.
         min_uses = self.write_back_min_uses
         kept = [cached for cached in evicted if cached.stats.count >= min_uses]
         self._write_back_depths.update((cached.block_id, cached.stats.depth) for cached in kept)
@@ -331,7 +332,7 @@ class KVCacheManager:
         """The copies this step's allocations need, in the order they must run."""
         depths = self._write_back_depths
         copies = [BlockCopy(source, destination, tuple(src), tuple(dst), purpose, ticket,
-                            after_inflight=destination != DEVICE_STORE or not self._touched.isdisjoint(dst),
+                            after_inflight=not self._touched.isdisjoint(dst if destination == DEVICE_STORE else src),
                             depths=tuple(depths.get(block_id, 0) for block_id in src) if purpose == WRITE_BACK else (),
                             inline=ticket in self._inline)
                   for source, destination, purpose, ticket, src, dst in self._pending_copies]

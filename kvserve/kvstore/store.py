@@ -62,9 +62,9 @@ class BlockCopy:
     dst_block_ids: tuple[int, ...]
     purpose: str = WRITE_BACK
     ticket: Optional[int] = None
-    # A copy into the device store must wait for the step in flight when one of its blocks may
-    # still be written or read by it (freed, published or evicted since the last step was issued);
-    # otherwise it starts at once.
+    # The step in flight may still write or read some of the copy's device blocks (freed or
+    # published since it was issued): a copy into the device store, or a write-back gathering them
+    # off the main stream, waits for it. Otherwise it starts at once.
     after_inflight: bool = True
     # A write-back's source blocks' depths in their prefix chains (empty: unknown). Cut short under
     # back-pressure, it drops the deepest first: the host keeps the fronts that hits pass through.

@@ -9,8 +9,10 @@ in while other requests keep stepping on the main stream:
 - Copies into the device store (loads, swap-ins) go host -> staging slot on the load stream,
   then slot -> blocks on a scatter stream (so the link moves the next slot meanwhile). The link
   copy starts at once; the scatters of a load whose blocks the step in flight may still touch
-  (freed, published or evicted since the last step was issued: `BlockCopy.after_inflight`, set by
-  the KV manager) first wait for everything queued on the main stream.
+  (freed or published since the last step was issued: `BlockCopy.after_inflight`, set by the KV
+  manager) first wait for everything queued on the main stream. A block evicted from the prefix
+  cache is not in the step in flight: a load into it waits only for its write-back's gather (this
+  step's, or the last step's on the main stream).
   The blocks belong to a request the scheduler holds back until its ticket is reported landed
   (`poll`, an event query: no host synchronisation in the step).
 - Writes and loads have a stream each because the link is full duplex: a write-back queued behind
@@ -181,6 +183,11 @@ class KVTransfers:
         # of those written back off the main stream.
         self._load_targets: set[int] = set()
         self._gathered: dict[int, torch.cuda.Event] = {}
+        # Device blocks gathered on the main stream by the last step's write-backs (and this step's):
+        # queued before the step in flight, they may still be running when a load into one starts.
+        # Older ones are done (the step before the one in flight has been read back).
+        self._gathered_on_main: dict[int, torch.cuda.Event] = {}
+        self._gathered_on_main_before: dict[int, torch.cuda.Event] = {}
         self._rings: dict[str, StagingRing] = {}
         self._pending: list[_Pending] = []
         self._report = TransferReport()
@@ -217,6 +224,7 @@ class KVTransfers:
         # This step's load destinations: blocks evicted to make room for them.
         self._load_targets = {block_id for copy in ins for block_id in copy.dst_block_ids}
         self._gathered = {}
+        self._gathered_on_main_before, self._gathered_on_main = self._gathered_on_main, {}
         # Copies out first: a block evicted this step may be the target of one of this step's loads.
         lost_before = len(self._report.lost_host_blocks)
         for copy in outs:
@@ -319,6 +327,16 @@ class KVTransfers:
             ring = self._rings[direction] = StagingRing(store.block_nbytes, self.device, self.staging_bytes)
         return ring
 
+    def _wait_for_main_gathers(self, stream: torch.cuda.Stream, device_ids) -> None:
+        """`stream` waits for the write-back gathers on the main stream (this step's or the last's)
+        still due to read these device blocks."""
+        events = {}
+        for gathered in (self._gathered_on_main_before, self._gathered_on_main):
+            if gathered:
+                events.update((id(event), event) for event in map(gathered.get, device_ids) if event is not None)
+        for event in events.values():
+            stream.wait_event(event)
+
     def _wait_for(self, stream: torch.cuda.Stream, last: dict[int, _Pending], host_ids: tuple[int, ...]) -> None:
         """`stream` waits for the copies in flight that last touched these host blocks (in `last`)."""
         waited: set[int] = set()
@@ -344,9 +362,13 @@ class KVTransfers:
         on_main = [pair for pair in pairs if pair[0] not in behind_loads]
         off_main = [pair for pair in pairs if pair[0] in behind_loads]
         if on_main:
-            self._gather_and_put(self._ring("out", source), main, source, destination, on_main)
+            self._gather_and_put(self._ring("out", source), main, source, destination, on_main,
+                                 self._gathered_on_main)
         if off_main:
-            side.wait_stream(main)          # after the step in flight, which may still write them
+            if copy.after_inflight:
+                side.wait_stream(main)      # after the step in flight, which may still write them
+            else:
+                self._wait_for_main_gathers(side, [src for src, _ in off_main])
             self._gather_and_put(self._ring("out-behind-loads", source), side, source, destination, off_main,
                                  self._gathered)
         done = torch.cuda.Event(enable_timing=True)
@@ -412,6 +434,8 @@ class KVTransfers:
         main, stream = torch.cuda.current_stream(self.device), self.load_stream
         if copy.after_inflight:
             stream.wait_stream(main)
+        else:
+            self._wait_for_main_gathers(stream, copy.dst_block_ids)
         self._wait_for(stream, self._last_write, copy.src_block_ids)
         gathered = self._gathered
         if gathered:                    # blocks evicted this step: their write-back gathers them first
@@ -443,6 +467,8 @@ class KVTransfers:
         # wait for the step in flight when it may still use the blocks.
         if copy.after_inflight:
             scatterer.wait_stream(main)
+        else:
+            self._wait_for_main_gathers(scatterer, copy.dst_block_ids)
         # A host block written back and loaded again before the write landed: the write first.
         self._wait_for(copier, self._last_write, copy.src_block_ids)
         started = torch.cuda.Event(enable_timing=True)

@@ -127,7 +127,7 @@ def test_tiny_run_end_to_end_on_cpu(bench, tmp_path, model, request):
     # One thread: on a machine shared with other jobs, two threads wait on each other for a core.
     argv = ["--tiny", "--device", "cpu", "--threads", "1", "--out", str(out)]
     if model != "default":
-        argv += ["--model", request.getfixturevalue("tiny_llama")]
+        argv += ["--model", request.getfixturevalue("tiny_llama"), "--step-timeline"]
     started = time.perf_counter()
     assert bench.main(argv) == 0
     elapsed = time.perf_counter() - started
@@ -154,5 +154,16 @@ def test_tiny_run_end_to_end_on_cpu(bench, tmp_path, model, request):
     assert cold["hit_rate"] <= workload["hit_rate_bound"]["system_prompts_only"] + 0.1
     assert host["hit_rate"] <= workload["hit_rate_bound"]["all"] + 1e-6
     assert set(record["ratios"]) >= {"ttft_p50_no_host_over_host", "throughput_host_over_no_host"}
+    if model != "default":
+        # The step timeline saw every step, its copies and its loads; the phases' step count agrees.
+        for result in (host, cold):
+            timeline = result["step_timeline"]
+            kinds = timeline["by_kind"]
+            assert timeline["steps"] == sum(kind["steps"] for kind in kinds.values()) > 0
+            assert kinds["decode_only"]["steps"] >= workload["output_tokens_total"] // workload["concurrency"] // 2
+            assert all(row["gpu_ms"] > 0 for row in timeline["rows"])
+            assert sum(row["prefill_tokens"] for row in timeline["rows"]) > 0
+        copied = sum(row["copy_blocks"] for row in host["step_timeline"]["rows"])
+        assert copied > 0 and sum(row["copy_blocks"] for row in cold["step_timeline"]["rows"]) == 0
     # Not asserted: a busy machine takes several times the idle figure.
     print(f"tiny multi-turn run ({model}): {elapsed:.1f}s")

@@ -392,9 +392,11 @@ def test_selective_writes_back_only_blocks_used_often_enough(folder):
 
 
 def test_a_load_waits_for_the_step_in_flight_only_into_blocks_it_may_touch():
-    """A load into blocks nobody freed, published or evicted since the last step's copies starts at
-    once; one into blocks freed in that window (the step in flight may still write them) waits."""
+    """A load into blocks nobody freed or published since the last step's copies starts at once,
+    evicted from the prefix cache or not; one into blocks freed in that window (the step in flight
+    may still write them) waits."""
     from kvserve.kvcache.manager import KVCacheManager
+    from kvserve.kvstore import DEVICE_STORE
     from kvserve.kvcache.policies import make_policy
     from kvserve.kvcache.prefix_cache import PrefixCache
     tier = HostTier(8)
@@ -420,6 +422,25 @@ def test_a_load_waits_for_the_step_in_flight_only_into_blocks_it_may_touch():
     manager.free("a")                                # its blocks are reused by the next load
     second = admit("b")
     assert set(second.dst_block_ids) & set(first.dst_block_ids) and second.after_inflight
+    # Freed, then evicted a step later for another prefix's load: the step in flight (issued after
+    # the free) has none of those blocks, so the load starts at once.
+    other = [9] * (3 * BLOCK) + [1]
+    seq = _Seq("warm-other", other)
+    manager.find_cached_prefix(seq)
+    for index, block_hash in enumerate(seq.block_hashes):
+        parent = seq.block_hashes[index - 1] if index else seq.cache_root
+        tier.store(block_hash, parent, other[index * BLOCK:(index + 1) * BLOCK], seq.cache_namespace)
+    manager.cache_full_blocks("b", 3 * BLOCK)        # its loaded blocks join the prefix cache
+    manager.free("b")
+    assert manager.take_block_copies() == []        # the step that frees them is issued
+    evicted_before = sum(manager.prefix_cache.evictions.values())
+    seq = _Seq("c", other)
+    hit = manager.find_cached_prefix(seq)
+    assert len(hit.host_block_ids) == 3
+    assert manager.allocate_slots("c", seq.num_tokens, hit, seq)
+    (third,) = [copy for copy in manager.take_block_copies() if copy.destination == DEVICE_STORE]
+    assert sum(manager.prefix_cache.evictions.values()) > evicted_before
+    assert set(third.dst_block_ids) & set(second.dst_block_ids) and not third.after_inflight
 
 
 def test_a_write_back_says_how_deep_each_block_is_in_its_prefix():

@@ -395,7 +395,8 @@ def test_cuda_the_block_copy_kernel_is_compiled_at_start_not_by_a_load(path):
 def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(path):
     """Writes and loads run on streams of their own; a host block is still written and read in
     issue order (a load waits for the write that fills it, a write for the load still reading it),
-    and a block evicted and loaded into in one step is gathered before the load overwrites it.
+    and a block evicted and loaded into in one step, or loaded into the step after its write-back,
+    is gathered before the load overwrites it.
     Each case holds back the stream that must go first (a GPU sleep), so a missing wait shows."""
     from kvserve.kvstore import build_kv_cache_spec
     spec = build_kv_cache_spec(num_layers=4, num_kv_heads=4, head_dim=64, model_dtype=torch.bfloat16)
@@ -440,6 +441,19 @@ def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(pat
     _wait_landed(transfers, 3)
     transfers.synchronize()
     assert torch.equal(host.read_blocks(list(ids)), first)
+    assert torch.equal(gpu.read_blocks(list(third)), second)
+    # Blocks written back one step (gathered on the main stream, held back there: the step in
+    # flight) and loaded into the next, not freed in between (after_inflight False): the load
+    # waits for that gather, not for the main stream.
+    transfers.synchronize()
+    fourth = torch.randint(0, 256, (count, gpu.block_nbytes), dtype=torch.uint8)
+    gpu.write_blocks(list(third), fourth)
+    hold(torch.cuda.current_stream())
+    transfers.run([BlockCopy(DEVICE_STORE, HOST_STORE, third, ids)])
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, spare, third, LOAD, ticket=4, after_inflight=False)])
+    _wait_landed(transfers, 4)
+    transfers.synchronize()
+    assert torch.equal(host.read_blocks(list(ids)), fourth)
     assert torch.equal(gpu.read_blocks(list(third)), second)
     transfers.poll()
     assert not transfers._last_read and not transfers._last_write       # forgotten once landed
