@@ -120,7 +120,7 @@ class ColdTierBridge:
                                      first, last)
         # The tiers weigh each store's measured read rate against this, once they know which
         # stores hold the blocks (a read slower than recomputing is not started).
-        self.tiers.prefetch(request.request_id, identities, self._compute_seconds(num_tokens))
+        self.tiers.prefetch(request.request_id, identities, self._compute_seconds(num_tokens, first * self.block_size))
         self._held[request.request_id] = _Held(request, time.monotonic() + self.max_wait_s, num_tokens)
         return True
 
@@ -137,12 +137,10 @@ class ColdTierBridge:
                               hashes[index - 1] if index else root, tuple(token_ids[index * bs:(index + 1) * bs]))
                 for index in range(first, last)]
 
-    def _compute_seconds(self, num_tokens: int) -> Optional[float]:
-        """Computing these tokens at the measured prefill rate (None before one is measured)."""
-        cost = self.preemption_cost
-        if cost is None or not cost.prefill_tokens_per_s:
-            return None
-        return num_tokens / cost.prefill_tokens_per_s
+    def _compute_seconds(self, num_tokens: int, context_tokens: int) -> Optional[float]:
+        """Computing these tokens after `context_tokens` cached ones, at the measured prefill rate
+        (None before one is measured)."""
+        return None if self.preemption_cost is None else self.preemption_cost.recompute_seconds(num_tokens, context_tokens)
 
     @property
     def num_held(self) -> int:

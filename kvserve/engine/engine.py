@@ -29,6 +29,7 @@ from kvserve.sched.phases import RequestPhases
 from kvserve.sched.request import PENDING_TOKEN, CacheOptions, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
+from kvserve.model.compute_shape import ComputeShape, attention_pairs, compute_shape
 from kvserve.sched.preemption_cost import PreemptionCost
 from kvserve.sched.qos_config import QoSClassForbidden
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler, SchedulerStalled
@@ -177,7 +178,8 @@ class Engine:
             # Measured link and prefill rates: auto preemption weighs them, and so does the cold
             # tiers' prefetch (a read slower than recomputing is not started).
             if preemption_mode == "auto" or cache_cfg.kv_disk_path or cache_cfg.kv_remote_url:
-                self.preemption_cost = PreemptionCost(self.kv_bytes_per_token, transfer_bytes_per_s=link)
+                self.preemption_cost = PreemptionCost(self.kv_bytes_per_token, transfer_bytes_per_s=link,
+                                                      shape=self._compute_shape())
         if not model_cfg.enforce_eager:
             started = time.perf_counter()
             # With the host tier a request may tier its KV (kv_press_mode "tier"), which ranks blocks
@@ -230,6 +232,16 @@ class Engine:
         return cls(EngineConfig.from_options(**options))
 
     # --- sizing ---------------------------------------------------------------------------------
+    def _compute_shape(self) -> Optional[ComputeShape]:
+        """The model's FLOPs per token and per attention pair (None for a config it cannot read: the
+        cost models then charge tokens alone)."""
+        try:
+            return compute_shape(self.source.hf_config)
+        except (AttributeError, TypeError) as exc:
+            logger.warning("cannot tell the model's compute per token from its config (%s): recompute "
+                           "costs ignore the context's attention", exc)
+            return None
+
     def _size_kv_cache(self) -> KVSizing:
         """Blocks from kv_cache_memory (default: 1 GiB on CPU; on CUDA, gpu_memory_utilization of the
         memory a profiled worst-case step leaves free)."""
@@ -554,10 +566,11 @@ class Engine:
             return outputs + self._run_step(sched_out, press_due)
         finally:
             if sched_out is not None and sched_out.scheduled:
-                decode_kv_tokens = kv_tokens = 0
+                decode_kv_tokens = kv_tokens = pairs = 0
                 traced = False
                 for item in sched_out.scheduled:
                     kv_tokens += item.request.num_kv_tokens
+                    pairs += attention_pairs(max(0, item.request.num_kv_tokens - item.num_new_tokens), item.num_new_tokens)
                     if item.num_new_tokens == 1:
                         decode_kv_tokens += item.request.num_kv_tokens
                     traced = traced or item.request.phases is not None
@@ -570,7 +583,7 @@ class Engine:
                 if self.scheduler.slo is not None:
                     self.scheduler.slo.observe_step(elapsed, len(sched_out.scheduled), sched_out.num_batched_tokens)
                 if self.preemption_cost is not None:
-                    self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed)
+                    self.preemption_cost.observe_step(sched_out.num_batched_tokens, elapsed, pairs)
 
     def _issue_block_copies(self, sched_out: SchedulerOutput) -> None:
         """Issues the step's block copies ahead of its forward. An inline load (BlockCopy.inline) that

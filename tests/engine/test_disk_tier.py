@@ -191,3 +191,18 @@ def test_a_full_disk_stops_writes_not_the_engine(folder, cold_tokens, tiny_disk)
         stats = _disk(llm)
         assert stats.writes_dropped > 0 and stats.blocks_written > 0
         assert not stats.available
+
+
+def test_the_read_or_compute_choice_charges_a_prefix_its_context(folder, tmp_path):
+    """The prefetch weighs a read against computing the prefix's tokens after the context before
+    them (kvserve/model/compute_shape.py): the engine's cost model has the model's shape, and steps
+    of a long prompt measure its rate."""
+    from kvserve.model.compute_shape import compute_shape
+    with _llm(folder, str(tmp_path / "disk")) as llm:
+        _tokens(llm, [3 + (11 * i) % 200 for i in range(300)])
+        cost = llm.engine.preemption_cost
+        assert cost.shape == compute_shape(llm.engine.source.hf_config)
+        assert cost.prefill_tokens_per_s > 0
+        bridge = llm.engine.cold
+        assert bridge._compute_seconds(64, 0) == cost.recompute_seconds(64)
+        assert bridge._compute_seconds(64, 4096) > bridge._compute_seconds(64, 0)
