@@ -305,6 +305,10 @@ class SchedulerConfig:
                                           "token counters, weighted by --qos-config: each gets its share of the "
                                           "service while it has requests waiting)",
                                   choices=("fcfs", "priority", "fair"))
+    fair_prefill_first: bool = _opt(True, "fair policy: a new request of a tenant that has had no more service than "
+                                          "any tenant in the batch runs its prompt in a step of its own, ahead of "
+                                          "the batch's decodes, so it does not wait for a step of another tenant's "
+                                          "batch (docs/qos.md)")
     qos_config: Optional[str] = _opt(None, "YAML or JSON file of QoS settings: request classes (priority, p99 "
                                            "targets, shedding; with the priority policy) and tenants' weights "
                                            "for the fair policy and default classes (docs/qos.md)")

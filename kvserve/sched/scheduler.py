@@ -29,7 +29,9 @@ preemption under KV pressure takes the worst first; and a waiting request that o
 running one but cannot be admitted (no slot or no blocks) preempts it before the step is built.
 
 Fair share (`scheduling_policy` fair; kvserve/sched/fair_share.py): waiting requests are admitted
-by their tenant's virtual token counter, lowest first (VTC).
+by their tenant's virtual token counter, lowest first (VTC). A new prompt of a tenant behind in
+service and under its share of the batch runs in a step of its own, ahead of the batch's decodes
+(`fair_prefill_first`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Iterable, Optional
 
 from kvserve.config import SchedulerConfig
@@ -404,6 +406,40 @@ class Scheduler:
             out.preempted.append(victim)
             wanted = self._reservation_wanted()
 
+    def _fair_prefill_step(self, out: SchedulerOutput, budget: int) -> bool:
+        """Fair policy, `fair_prefill_first`: when the fair order's next waiting request is new and
+        of a tenant that holds less than its weighted share of the batch's requests and whose
+        counter is at or below every other tenant's in the batch, this step runs only the new
+        prompts of such tenants, not the batch's decodes. Under another tenant's
+        overload, a prompt in a step beside that tenant's whole batch waits as long as that step
+        takes (on a CPU, several times the prompt alone). The tenants ahead lose one step's token
+        each time; a tenant that asks for more than its share is soon ahead, and waits like the
+        others. True when it scheduled such a step."""
+        if self.fair is None or not self.config.fair_prefill_first or not self.waiting or not self.running \
+                or out.preempted:
+            return False
+        first = next(iter(self._fair_order()))
+        if first.num_cached_tokens is not None:
+            return False                # preempted or waiting again: not a new prompt
+        fair, weight_of = self.fair, self.fair.config.weight_of
+        running = Counter(r.tenant for r in self.running)
+        waiting = {r.tenant for r in self.waiting}
+        total_weight = sum(weight_of(tenant) for tenant in waiting | set(running))
+
+        def is_behind(tenant) -> bool:
+            others = set(running) - {tenant}
+            return (bool(others) and running[tenant] < len(self.running) * weight_of(tenant) / total_weight
+                    and fair.counter(tenant) <= min(fair.counter(other) for other in others))
+
+        behind = {tenant for tenant in waiting if is_behind(tenant)}
+        if first.tenant not in behind:
+            return False
+        self._admit_waiting(out, budget, only_tenants=behind, only_new=True)
+        if not out.scheduled:
+            return False
+        out.block_copies = self.kv_manager.take_block_copies()
+        return True
+
     def _fairness_victim(self, waiting: Request) -> Optional[int]:
         """Index in `running` of the request to preempt so that `waiting` (the fair order's next)
         can run: the newest running request (least work lost) of the tenant with the highest
@@ -490,6 +526,8 @@ class Scheduler:
         elif self.fair is not None and self.waiting and self.running:
             self._preempt_for_fairness(out, budget)
         preempted_for_priority = len(out.preempted)
+        if self._fair_prefill_step(out, budget):
+            return out
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -650,10 +688,12 @@ class Scheduler:
         return {r.qos_class for r in itertools.chain(self.running, self.waiting, self.loading.values())
                 if r.qos_class is not None}
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, held_below: Optional[int] = None) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, held_below: Optional[int] = None,
+                       only_tenants: Optional[set] = None, only_new: bool = False) -> None:
         """Admits waiting requests in order while slots, budget and blocks last; with `held_below`
         (a class with work misses a p99 target: kvserve/sched/qos_classes.py), only those of a
-        priority up to it."""
+        priority up to it; with `only_tenants` / `only_new`, only those tenants' requests / requests
+        never admitted before (`_fair_prefill_step`)."""
         chunked = self.config.enable_chunked_prefill
         caching = self.kv_manager.enable_prefix_caching
         fifo = (list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
@@ -669,6 +709,9 @@ class Scheduler:
                 break
             if held_below is not None and request.priority > held_below:
                 continue                # a class above misses its p99 target: it gets the room
+            if (only_tenants is not None and request.tenant not in only_tenants) or (
+                    only_new and request.num_cached_tokens is not None):
+                continue
             # Looked up now, not when ranked: admitting an earlier request may have evicted blocks.
             looked_up = time.monotonic() if request.phases is not None else 0.0
             hit = self._lookup(request)

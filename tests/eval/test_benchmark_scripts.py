@@ -60,9 +60,10 @@ def test_vllm_baseline_sends_the_prompts_kvserve_bench_sends():
 
 @pytest.mark.slow
 @requires_default_model
-def test_fairness_bench_runs_its_three_phases_on_one_trace(tmp_path):
+def test_fairness_bench_runs_its_four_phases_on_one_trace(tmp_path):
     """benchmarks/serving/fairness_bench.py end to end on a tiny model, a two-second trace: B alone,
-    then A and B under FCFS and under fair share, each phase's requests all answered, and the
+    then A and B under FCFS and under fair share (B's prompts in the batch's steps, then in steps of
+    their own), each phase's requests all answered, and the
     service it reads from /v1/usage agreeing with the fair policy's own counter."""
     from loopback_server import build_tiny_chat_model
     folder = build_tiny_chat_model(tmp_path / "tiny", max_position_embeddings=1024)
@@ -75,12 +76,13 @@ def test_fairness_bench_runs_its_three_phases_on_one_trace(tmp_path):
                        "--kv-cache-memory", "8MiB"]) == 0
     report = json.loads(out.read_text())
     phases = report["phases"]
-    assert list(phases) == ["b_alone", "fcfs", "fair"] and list(phases["b_alone"]["tenants"]) == ["b"]
+    assert list(phases) == ["b_alone", "fcfs", "fair_batch_steps", "fair"] and list(phases["b_alone"]["tenants"]) == ["b"]
     # The same trace in both shared phases: B's requests alone are B's requests among A's.
     assert phases["b_alone"]["tenants"]["b"]["requests"] == phases["fair"]["tenants"]["b"]["requests"] >= 1
     for phase in phases.values():
         for tenant in phase["tenants"].values():
             assert tenant["completed"] == tenant["requests"] and tenant["ttft_p99_s"] > 0
-    for tenant, row in phases["fair"]["service"].items():
-        assert row["vtc_served"] == row["weighted_tokens"] > 0, tenant
-    assert report["goal"]["b_ttft_p99_fair_over_alone"] > 0
+    for name in ("fair_batch_steps", "fair"):
+        for tenant, row in phases[name]["service"].items():
+            assert row["vtc_served"] == row["weighted_tokens"] > 0, tenant
+    assert report["goal"]["b_ttft_p99_fair_over_alone"] > 0 and report["goal"]["b_ttft_p99_fair_batch_steps_over_alone"] > 0

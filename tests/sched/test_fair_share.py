@@ -141,3 +141,57 @@ def test_a_tenant_that_filled_the_batch_is_preempted_for_a_newcomer(folder, tmp_
         assert 5 <= first_token_step <= 10 and preemptions == 1
     else:
         assert first_token_step > 30 and preemptions == 0
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_newcomers_prompt_runs_ahead_of_the_batch(folder, tmp_path, prefill_first):
+    """Tenant a has a batch decoding; b, behind it in service, sends a request. With
+    fair_prefill_first b's prompt runs in a step of its own (none of a's decodes beside it); a's
+    next request, a tenant ahead in service, is admitted beside the batch as usual. Without the
+    option b's prompt shares a step with a's decodes. Outputs equal the requests run alone."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = {f"a{i}": [1] + [3 + (17 * i + 5 * j) % 240 for j in range(19)] for i in range(4)}
+    prompts["b0"] = [1] + [7 + (11 * j) % 230 for j in range(19)]
+    options = dict(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20, max_model_len=256,
+                   async_scheduling="off", enable_prefix_caching=False)
+    alone = Engine.from_options(**options)
+    expected = {}
+    for request_id, prompt in prompts.items():
+        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        while alone.has_unfinished_requests():
+            for output in alone.step():
+                if output.finished:
+                    expected[request_id] = output.outputs[0].token_ids
+    engine = Engine.from_options(**options, scheduling_policy="fair", fair_prefill_first=prefill_first,
+                                 qos_config=_qos(tmp_path, {"tenants": {}}))
+    steps_scheduled = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps_scheduled.append(sorted(item.request.request_id for item in out.scheduled))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    for request_id in ("a0", "a1", "a2"):
+        engine.add_request(request_id, {"prompt_token_ids": prompts[request_id]}, params, tenant="a")
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        if steps == 3:
+            engine.add_request("b0", {"prompt_token_ids": prompts["b0"]}, params, tenant="b")
+        if steps == 6:
+            engine.add_request("a3", {"prompt_token_ids": prompts["a3"]}, params, tenant="a")
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+        steps += 1
+    assert outputs == expected
+    admitting_b = next(step for step in steps_scheduled if "b0" in step)
+    admitting_a3 = next(step for step in steps_scheduled if "a3" in step)
+    assert steps_scheduled.index(admitting_b) == 3          # at once either way
+    if prefill_first:
+        assert admitting_b == ["b0"]
+    else:
+        assert admitting_b == ["a0", "a1", "a2", "b0"]
+    assert admitting_a3 == ["a0", "a1", "a2", "a3", "b0"]   # a is ahead: beside the batch
+    assert engine.make_stats().scheduler.num_preemptions_total == 0
