@@ -197,7 +197,8 @@ class Scheduler:
 
     def make_load(self, ahead_of_priority: Optional[int] = None) -> EngineLoad:
         """The running and waiting requests as the latency simulation needs them (slo.py); with
-        `ahead_of_priority`, only the waiting ones a request of that priority cannot overtake."""
+        `ahead_of_priority`, only the waiting ones a request of that priority cannot overtake, and
+        the running ones below it counted as preemptible (the priority policy preempts them for it)."""
         def work(request: Request) -> PendingWork:
             left = request.num_tokens - request.num_computed_tokens
             if request.num_computed_tokens == 0:
@@ -213,7 +214,9 @@ class Scheduler:
                           max_running=slo.expected_max_running() if slo is not None else self._max_running,
                           max_step_s=slo.max_step_s if slo is not None and self._caps_step_length else None,
                           step_cost=slo.step_cost.coefficients if slo is not None else None,
-                          completion_rate=slo.completion_rate() if slo is not None else None)
+                          completion_rate=slo.completion_rate() if slo is not None else None,
+                          preemptible=0 if ahead_of_priority is None or not self._by_priority else sum(
+                              1 for r in self.running if r.priority > ahead_of_priority))
 
     @property
     def _caps_step_length(self) -> bool:
@@ -564,7 +567,12 @@ class Scheduler:
         # the blocks the preempted requests need to come back. (Preempted for priority, they make
         # room for the request that outranks them.)
         if len(out.preempted) == preempted_for_priority:
-            self._admit_waiting(out, budget, self.classes.held_below(class_work) if class_work else None)
+            held_below = self.classes.held_below(class_work) if class_work else None
+            self._admit_waiting(out, budget, held_below)
+            if held_below is not None and not out.scheduled and not self.running and not self.loading:
+                # The classes that may run have nothing admissible: holding the others back would
+                # only leave the engine idle (and stalled, with nothing running to change that).
+                self._admit_waiting(out, budget)
         out.block_copies = self.kv_manager.take_block_copies()
         return out
 
@@ -645,11 +653,15 @@ class Scheduler:
     def _cache_aware(self) -> bool:
         return self.config.cache_aware_scheduling and self.kv_manager.enable_prefix_caching
 
-    def _waiting_order(self) -> list[Request]:
+    def _waiting_order(self, held_below: Optional[int] = None) -> list[Request]:
         """FIFO, or (cache-aware) longest cached prefix first among the first requests, with
-        preempted and starving requests ahead in FIFO order."""
+        preempted and starving requests ahead in FIFO order. By priority: the first max_num_seqs
+        by effective priority, of those up to `held_below` when a class holds the lower ones back
+        (filtered before the cut: aged requests of a held class, ahead of every request that may
+        run, would otherwise fill the list, and with nothing running the engine stalled)."""
         if self._by_priority:
-            return sorted(self.waiting, key=self._priority_key())[:self.config.max_num_seqs]
+            candidates = self.waiting if held_below is None else [r for r in self.waiting if r.priority <= held_below]
+            return sorted(candidates, key=self._priority_key())[:self.config.max_num_seqs]
         if self.fair is not None:
             return self._fair_order()
         if not self._cache_aware:
@@ -698,7 +710,7 @@ class Scheduler:
         caching = self.kv_manager.enable_prefix_caching
         fifo = (list(itertools.islice(self.waiting, CACHE_AWARE_WINDOW))
                 if self._cache_aware and not self._by_priority else [])
-        candidates = self._waiting_order()
+        candidates = self._waiting_order(held_below)
         admitted: set[str] = set()
         # With class reservations: each class's blocks, and the classes with work (whose unused
         # reservations the other classes' admissions leave free).

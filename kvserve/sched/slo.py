@@ -99,6 +99,9 @@ class EngineLoad:
     # Completions per second recently (None until enough were seen): how fast running requests
     # free their slots, which their max_tokens bounds only loosely.
     completion_rate: Optional[float] = None
+    # Of the running requests, how many rank below the new ones (priority policy): a new request
+    # that finds no slot preempts one of them rather than waiting for a slot to free.
+    preemptible: int = 0
 
 
 def step_token_budget(token_budget: int, max_step_s: Optional[float], step_cost: Optional[StepCoefficients],
@@ -120,7 +123,9 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
     completion_rate seconds when that rate is known (the engine's own recent experience), else after
     their output tokens left (an upper bound: EOS often ends them sooner); requests that start during
     the simulation leave after theirs. Cache hits are counted as the load states them; KV capacity
-    is not simulated. Stops early once past `horizon_s`."""
+    is not simulated. A queued request that finds no slot while `load.preemptible` running requests
+    rank below the new ones takes the slot of one of them (the scheduler preempts it), the one
+    due to leave last. Stops early once past `horizon_s`."""
     cost = load.step_cost
     targets = list(new)
     if cost is None or not targets:
@@ -144,7 +149,24 @@ def first_token_delay_s(load: EngineLoad, new: Iterable[PendingWork], horizon_s:
     for work in targets:
         queue.append([max(1, work.prompt_tokens_left), work.output_tokens_left, True])
     targets_left, elapsed, step = len(targets), 0.0, 0
+    preemptible = min(load.preemptible, num_decoding)
+
+    def preempt_one() -> None:
+        nonlocal num_decoding, preemptible
+        num_decoding -= 1
+        preemptible -= 1
+        if leave_at_time:
+            leave_at_time.pop()
+        elif leave_at_step:
+            last = max(leave_at_step)
+            leave_at_step[last] -= 1
+            if not leave_at_step[last]:
+                del leave_at_step[last]
+
     for _ in range(MAX_SIMULATED_STEPS):
+        if queue and preemptible > 0:
+            while preemptible > 0 and num_decoding + len(prefilling) + 1 > load.max_running:
+                preempt_one()
         if not prefilling and num_decoding >= load.max_running:
             # Only decodes until a running request leaves and frees a slot: skip to that moment.
             decode_step_s = cost.seconds(num_decoding, num_decoding)

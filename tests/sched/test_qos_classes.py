@@ -19,6 +19,7 @@ from kvserve.sched.qos_classes import MIN_SAMPLES, ClassLatency, percentile
 from kvserve.sched.qos_config import QoSClass, QoSClassForbidden, load_qos_config
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected
 from kvserve.sched.slo import RequestOverloaded
+from kvserve.sched.step_cost import StepShape
 
 CLASSES = {"gold": {"priority": 0, "ttft_p99": 0.5, "on_miss": "shed"},
            "bronze": {"priority": 2, "ttft_p99": 1.0, "on_miss": "shed"}}
@@ -107,6 +108,37 @@ def test_a_class_that_sheds_rejects_what_cannot_start_in_time_and_not_the_class_
     engine.add_request("g", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, qos_class="gold"))
     stats = {c.name: c for c in engine.make_stats().scheduler.classes}
     assert stats["bronze"].requests_shed == 1 and stats["gold"].requests_shed == 0
+
+
+def test_a_class_that_sheds_counts_on_preempting_the_classes_below_it(folder, tmp_path):
+    """Every slot held by silver requests with hundreds of tokens to go: a gold request would wait
+    for one of them to finish if it could not preempt, and the arrival check would shed it. Under
+    the priority policy it takes a silver request's slot at once, so the check lets it in and its
+    first token comes in the next step; a silver newcomer, which cannot preempt its own class, is
+    shed."""
+    classes = {"gold": {"priority": 0, "ttft_p99": 0.5, "on_miss": "shed"},
+               "silver": {"priority": 1, "ttft_p99": 0.5, "on_miss": "shed"}}
+    engine = _engine(folder, _qos(tmp_path, {"classes": classes}), max_num_seqs=2, max_num_batched_tokens=64)
+    long = SamplingParams(max_tokens=450, temperature=0.0, ignore_eos=True, qos_class="silver")
+    for index in range(2):
+        engine.add_request(f"s{index}", {"prompt_token_ids": [1, 5, 6, 7]}, long)
+    engine.step()
+    scheduler = engine.scheduler
+    assert len(scheduler.running) == 2
+    assert scheduler.make_load(ahead_of_priority=0).preemptible == 2
+    assert scheduler.make_load(ahead_of_priority=1).preemptible == 0
+    # A step-cost model of a slower machine (as measured in test_slo.py): waiting for a slot (448
+    # decode steps) takes longer than 0.45 s, a 4-token prompt much less.
+    scheduler.slo.step_cost.calibrate([(StepShape(64, 1), 0.074), (StepShape(256, 1), 0.266), (StepShape(32, 32), 0.2)])
+    cost = scheduler.slo.step_cost.coefficients
+    assert 448 * cost.seconds(2, 2) > 0.5 and cost.seconds(4, 3) < 0.2
+    scheduler.check_overload([1, 9, 9, 9], 4, qos_class="gold")              # not shed
+    with pytest.raises(RequestOverloaded, match="class 'silver'"):
+        scheduler.check_overload([1, 9, 9, 9], 4, qos_class="silver")
+    engine.add_request("g", {"prompt_token_ids": [1, 9, 9, 9]}, SamplingParams(max_tokens=2, qos_class="gold"))
+    engine.step()
+    assert len(scheduler.requests["g"].output_token_ids) == 1
+    assert engine.make_stats().scheduler.num_preemptions_total == 1
 
 
 class _Clock:
@@ -201,3 +233,29 @@ def test_a_class_tpot_target_holds_the_batch_by_preempting_requests_without_a_pr
     while plain.has_unfinished_requests():
         _final_tokens(plain, expected)
     assert seen == expected
+
+
+def test_a_held_class_aged_ahead_of_the_holding_one_does_not_stall_the_engine(folder, tmp_path):
+    """Gold misses its p99 and holds the classes below it back, while bronze requests have waited
+    long enough to age ahead of gold in the priority order, more of them than max_num_seqs. The
+    candidates for admission are taken among the classes that may run before the cut to
+    max_num_seqs: gold is admitted. (Cut first, the list held only bronze requests, nothing was
+    admitted with nothing running, and the engine stopped with SchedulerStalled, failing every
+    request: seen in qos_classes_bench at 2x overload.)"""
+    engine = _engine(folder, _qos(tmp_path, {"classes": CLASSES}), max_num_seqs=2,
+                     scheduling_priority_aging=0.001)
+    bronze = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, qos_class="bronze")
+    for index in range(4):
+        engine.add_request(f"b{index}", {"prompt_token_ids": [1, 5, 6, 7]}, bronze)
+    for _ in range(MIN_SAMPLES):
+        engine.scheduler.classes.observe_finished("gold", ttft_s=10.0, tpot_s=0.01)
+    import time
+    time.sleep(0.02)                                  # the bronze requests age past gold's priority
+    engine.add_request("g", {"prompt_token_ids": [1, 9, 9, 9]},
+                       SamplingParams(max_tokens=2, temperature=0.0, qos_class="gold"))
+    first = engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["g"]
+    finished = {output.request_id for output in first if output.finished}
+    while engine.has_unfinished_requests():
+        finished |= {output.request_id for output in engine.step() if output.finished}
+    assert finished == {"g", "b0", "b1", "b2", "b3"}

@@ -162,6 +162,13 @@ def test_first_token_delay_steps_the_queue_forward():
     assert first_token_delay_s(rated, [PendingWork(10, 5)]) == pytest.approx(0.5 + 0.11)
     two = dataclasses.replace(rated, running=(PendingWork(0, 1000),) * 2, max_running=2)
     assert first_token_delay_s(two, [PendingWork(10, 5)] * 2) == pytest.approx(1.0 + 0.111)   # beside a decode
+    # The slot's holder ranks below the new request (priority policy): it is preempted, and the
+    # prompt runs at once; with two running and one of them below, the prompt runs beside the other.
+    below = dataclasses.replace(full, preemptible=1)
+    assert first_token_delay_s(below, [PendingWork(10, 5)]) == pytest.approx(0.1 + 0.01)
+    one_below = dataclasses.replace(two, preemptible=1)
+    assert first_token_delay_s(one_below, [PendingWork(10, 5)]) == pytest.approx(0.111)
+    assert first_token_delay_s(dataclasses.replace(rated, preemptible=1), [PendingWork(10, 5)]) == pytest.approx(0.11)
     # n samples: the last one's first token.
     assert first_token_delay_s(empty, [PendingWork(60, 5)] * 2) == pytest.approx(0.2 + 0.1 + 0.021)
     # The simulation stops once past the horizon, and with no model there is nothing to predict.
