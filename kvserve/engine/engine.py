@@ -31,6 +31,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import SchedulerOutput
 from kvserve.model.compute_shape import ComputeShape, attention_pairs, compute_shape
 from kvserve.sched.preemption_cost import PreemptionCost
+from kvserve.sched.priority import aging_grace_s
 from kvserve.sched.qos_config import QoSClassForbidden
 from kvserve.sched.scheduler import RequestForbidden, RequestRejected, Scheduler, SchedulerStalled
 from kvserve.sched.step_cost import StepShape, measure_step_shapes
@@ -377,8 +378,10 @@ class Engine:
             raise RequestForbidden(str(exc)) from None
         except (ValueError, GrammarUnavailable) as exc:
             raise RequestRejected(str(exc)) from None
+        grace = 0.0
         if qos_class is not None:
             priority = self.scheduler.qos.classes[qos_class].priority
+            grace = aging_grace_s(self.scheduler.qos.classes[qos_class].ttft_p99)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -408,6 +411,7 @@ class Engine:
             if arrival_time is not None:
                 child.arrival_time = arrival_time
             child.priority = priority
+            child.aging_grace_s = grace
             child.qos_class = qos_class
             child.set_cache_namespace(namespace)
             child.press = self.press.plan_for(child_params)

@@ -52,6 +52,7 @@ class Request:
     max_tokens: int                      # resolved (params.max_tokens or what max_model_len leaves)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0                    # --scheduling-policy priority: lower first (sched/priority.py)
+    aging_grace_s: float = 0.0           # seconds before its priority starts to age (its class's)
     qos_class: Optional[str] = None      # its request class (--qos-config; sched/qos_classes.py)
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache. Invariant: < num_tokens while the request waits for a

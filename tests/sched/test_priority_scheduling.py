@@ -11,7 +11,7 @@ import pytest
 from conftest import TEST_DEVICE, build_tiny_checkpoint
 from kvserve import SamplingParams
 from kvserve.engine.engine import Engine
-from kvserve.sched.priority import by_priority, effective_priority
+from kvserve.sched.priority import aging_grace_s, by_priority, effective_priority
 from kvserve.sched.scheduler import RequestRejected
 
 BLOCK = 16
@@ -109,12 +109,32 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival(folder):
 
 def test_effective_priority_ages_and_breaks_ties_by_arrival():
     class R:
-        def __init__(self, priority, arrival_time):
-            self.priority, self.arrival_time = priority, arrival_time
+        def __init__(self, priority, arrival_time, aging_grace_s=0.0):
+            self.priority, self.arrival_time, self.aging_grace_s = priority, arrival_time, aging_grace_s
     old, new, tie = R(3, 0.0), R(1, 25.0), R(1, 20.0)
     assert effective_priority(old, 30.0, 10.0) == 0.0 and effective_priority(old, 30.0, 0) == 3.0
     assert by_priority([old, new, tie], 30.0, 0) == [tie, new, old]
     assert by_priority([old, new, tie], 30.0, 10.0) == [old, tie, new]
+    # A request of a class with a 40 s TTFT target waits half of it before it ages.
+    patient = R(3, 0.0, aging_grace_s=aging_grace_s(40.0))
+    assert effective_priority(patient, 15.0, 10.0) == 3.0 and effective_priority(patient, 30.0, 10.0) == 2.0
+    assert by_priority([patient, new, tie], 30.0, 10.0) == [tie, new, patient]
+    assert aging_grace_s(None) == 0.0
+
+
+def test_a_class_request_ages_after_half_its_ttft_target(folder, tmp_path):
+    """The engine gives a request of a class its class's grace (half its ttft_p99); a request of no
+    class ages from arrival."""
+    import json
+    qos = tmp_path / "qos.json"
+    qos.write_text(json.dumps({"classes": {"bronze": {"priority": 2, "ttft_p99": 120.0}}}))
+    engine = Engine.from_options(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20,
+                                 max_model_len=256, scheduling_policy="priority", qos_config=str(qos),
+                                 async_scheduling="off")
+    engine.add_request("b", {"prompt_token_ids": SHORT}, SamplingParams(max_tokens=2, qos_class="bronze"))
+    engine.add_request("n", {"prompt_token_ids": SHORT}, SamplingParams(max_tokens=2))
+    requests = engine.scheduler.requests
+    assert requests["b"].aging_grace_s == 60.0 and requests["n"].aging_grace_s == 0.0
 
 
 def test_a_priority_that_is_not_an_integer_is_rejected(folder):
