@@ -101,6 +101,19 @@ def test_the_config_is_read_as_yaml_or_json_and_bad_keys_are_named(tmp_path):
         load_qos_config(str(tmp_path / "missing.json"))
 
 
+def _outputs_alone(options: dict, prompts: dict, params: SamplingParams) -> dict:
+    """Each prompt's tokens run alone, one request at a time."""
+    alone = Engine.from_options(**options)
+    expected = {}
+    for request_id, prompt in prompts.items():
+        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        while alone.has_unfinished_requests():
+            for output in alone.step():
+                if output.finished:
+                    expected[request_id] = output.outputs[0].token_ids
+    return expected
+
+
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])
 def test_a_tenant_that_filled_the_batch_is_preempted_for_a_newcomer(folder, tmp_path, policy):
     """Tenant a fills every slot with long requests while b is idle; then b sends one. Under fair
@@ -111,14 +124,7 @@ def test_a_tenant_that_filled_the_batch_is_preempted_for_a_newcomer(folder, tmp_
     prompts["b0"] = [1] + [7 + (11 * j) % 230 for j in range(19)]
     options = dict(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20, max_model_len=256,
                    async_scheduling="off", enable_prefix_caching=False)
-    alone = Engine.from_options(**options)
-    expected = {}
-    for request_id, prompt in prompts.items():
-        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        while alone.has_unfinished_requests():
-            for output in alone.step():
-                if output.finished:
-                    expected[request_id] = output.outputs[0].token_ids
+    expected = _outputs_alone(options, prompts, params)
     engine = Engine.from_options(**options, max_num_seqs=3, scheduling_policy=policy,
                                  qos_config=_qos(tmp_path, {"tenants": {}}))
     for request_id in ("a0", "a1", "a2"):
@@ -154,14 +160,7 @@ def test_a_newcomers_prompt_runs_ahead_of_the_batch(folder, tmp_path, prefill_fi
     prompts["b0"] = [1] + [7 + (11 * j) % 230 for j in range(19)]
     options = dict(model=folder, dtype="float32", device=TEST_DEVICE, kv_cache_memory=4 << 20, max_model_len=256,
                    async_scheduling="off", enable_prefix_caching=False)
-    alone = Engine.from_options(**options)
-    expected = {}
-    for request_id, prompt in prompts.items():
-        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        while alone.has_unfinished_requests():
-            for output in alone.step():
-                if output.finished:
-                    expected[request_id] = output.outputs[0].token_ids
+    expected = _outputs_alone(options, prompts, params)
     engine = Engine.from_options(**options, scheduling_policy="fair", fair_prefill_first=prefill_first,
                                  qos_config=_qos(tmp_path, {"tenants": {}}))
     steps_scheduled = []
