@@ -574,7 +574,9 @@ class Engine:
                 traced = False
                 for item in sched_out.scheduled:
                     kv_tokens += item.request.num_kv_tokens
-                    pairs += attention_pairs(max(0, item.request.num_kv_tokens - item.num_new_tokens), item.num_new_tokens)
+                    if self.preemption_cost is not None:    # only its cost model reads them
+                        pairs += attention_pairs(max(0, item.request.num_kv_tokens - item.num_new_tokens),
+                                                 item.num_new_tokens)
                     if item.num_new_tokens == 1:
                         decode_kv_tokens += item.request.num_kv_tokens
                     traced = traced or item.request.phases is not None
