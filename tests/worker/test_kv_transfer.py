@@ -457,3 +457,19 @@ def test_cuda_host_blocks_keep_their_order_across_the_write_and_load_streams(pat
     assert torch.equal(gpu.read_blocks(list(third)), second)
     transfers.poll()
     assert not transfers._last_read and not transfers._last_write       # forgotten once landed
+    # Two loads of one step, the first into blocks the step in flight (held back) may still use:
+    # the second does not queue behind it, it lands while the step still runs.
+    transfers.synchronize()
+    transfers.poll()
+    hold(torch.cuda.current_stream())
+    transfers.run([BlockCopy(HOST_STORE, DEVICE_STORE, ids, spare, LOAD, ticket=5, after_inflight=True),
+                   BlockCopy(HOST_STORE, DEVICE_STORE, spare, third, LOAD, ticket=6, after_inflight=False)])
+    landed = set()
+    for _ in range(2000):
+        landed |= set(transfers.poll().landed)
+        if 6 in landed:
+            break
+        time.sleep(0.0005)
+    assert 6 in landed and 5 not in landed, landed
+    _wait_landed(transfers, 5)
+    transfers.synchronize()
