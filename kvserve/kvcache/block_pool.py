@@ -52,15 +52,30 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def allocate(self, count: int, owner: Optional[str] = None) -> list[int]:
+    def allocate(self, count: int, owner: Optional[str] = None, avoid: Collection[int] = ()) -> list[int]:
+        """`count` blocks: empty ones first, then evicted cached ones. Empty blocks in `avoid` come
+        last, after the cache's: a host-tier load into a block the step in flight may still use
+        must wait for that step, where one into an evicted block starts at once."""
         if count > self.num_free_blocks:
             raise BlockPoolError(f"asked for {count} blocks with {self.num_free_blocks} free")
         empty = self._empty
-        blocks = [empty.popleft() for _ in range(min(count, len(empty)))]
-        if len(blocks) < count:         # the rest from the cache, in one eviction
-            evicted = self.cache.evict_many(count - len(blocks))
+        deferred: list[int] = []
+        if avoid:
+            blocks = []
+            while len(blocks) < count and empty:
+                block_id = empty.popleft()
+                (deferred if block_id in avoid else blocks).append(block_id)
+        else:
+            blocks = [empty.popleft() for _ in range(min(count, len(empty)))]
+        from_cache = min(count - len(blocks), self.cache.num_evictable if self.cache is not None else 0)
+        if from_cache:                  # the rest from the cache, in one eviction
+            evicted = self.cache.evict_many(from_cache)
             self._disown(evicted, evictable=True)
             blocks += evicted
+        if deferred:
+            used = count - len(blocks)
+            blocks += deferred[:used]
+            empty.extend(deferred[used:])
         ref_counts, owners = self._ref_counts, self._owner
         for block_id in blocks:
             ref_counts[block_id] = 1

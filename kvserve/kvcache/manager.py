@@ -316,7 +316,7 @@ class KVCacheManager:
             return False
         del self._swapped[request_id]
         self.host_tier.swap_in(host_ids)        # held before allocating: write-backs must not take them
-        table = self._block_tables[request_id] = self.pool.allocate(needed, tenant)
+        table = self._block_tables[request_id] = self.pool.allocate(needed, tenant, avoid=self._touched)
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, table[:len(host_ids)], SWAP_IN,
                            self._new_ticket(request_id, SWAP_IN, host_ids, self._runs_inline(len(host_ids), inline_any_load)))
         if state is not None:
@@ -622,7 +622,7 @@ class KVCacheManager:
         # blocks these loads read. The write-backs are queued first, so they read their GPU blocks
         # before these loads overwrite them.
         self.host_tier.begin_load(host_ids, self.block_size)
-        device_ids = self.pool.allocate(len(host_ids), tenant)
+        device_ids = self.pool.allocate(len(host_ids), tenant, avoid=self._touched)
         self._queue_copies(HOST_STORE, DEVICE_STORE, host_ids, device_ids, LOAD,
                            self._new_ticket(request_id, LOAD, list(host_ids),
                                             self._runs_inline(len(host_ids), inline_any_load)))

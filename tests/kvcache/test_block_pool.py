@@ -31,6 +31,25 @@ def test_shared_block_is_freed_by_last_owner():
     assert pool.num_free_blocks == 2 and pool.ref_count(block) == 0
 
 
+def test_blocks_to_avoid_come_after_other_empty_and_cached_blocks():
+    """A load's destinations skip blocks the step in flight may still use: other empty blocks
+    first, then evicted cached ones, the avoided ones only when nothing else is free."""
+    from kvserve.kvcache.policies import make_policy
+    from kvserve.kvcache.prefix_cache import PrefixCache
+    cache = PrefixCache(make_policy("lru", num_blocks=4))
+    pool = BlockPool(4, cache)
+    cache.insert(0, b"h0", b"root", [1, 2], "ns", 0)  # one cached block; the rest get freed
+    blocks = pool.allocate(4)
+    assert blocks == [0, 1, 2, 3]
+    pool.free([0, 1, 2, 3])                           # 0 cached, 1-3 empty (just freed)
+    assert pool.allocate(2, avoid={1, 2}) == [3, 0]   # the other empty one, then the cached one
+    assert not cache.holds(0)
+    assert pool.allocate(2, avoid={1, 2}) == [1, 2]   # nothing else is free: the avoided ones
+    assert pool.num_free_blocks == 0
+    pool.free([3, 1])
+    assert pool.allocate(1, avoid={3}) == [1] and pool.allocate(1) == [3]   # the avoided one stays free
+
+
 def test_allocation_failure_changes_nothing():
     manager = KVCacheManager(num_blocks=3, block_size=4)
     assert manager.allocate_slots("a", 8)

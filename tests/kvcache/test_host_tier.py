@@ -443,6 +443,46 @@ def test_a_load_waits_for_the_step_in_flight_only_into_blocks_it_may_touch():
     assert set(third.dst_block_ids) & set(second.dst_block_ids) and not third.after_inflight
 
 
+def test_a_load_takes_evicted_blocks_before_blocks_freed_under_the_step_in_flight():
+    """Blocks a finished request freed are still in the step in flight; a load placed in them
+    would wait for that step, so it takes other empty blocks, then evicts cached ones."""
+    from kvserve.kvcache.manager import KVCacheManager
+    from kvserve.kvcache.policies import make_policy
+    from kvserve.kvcache.prefix_cache import PrefixCache
+    from kvserve.kvstore import DEVICE_STORE
+    tier = HostTier(8)
+    manager = KVCacheManager(8, BLOCK, PrefixCache(make_policy("lru", num_blocks=8)), tier)
+    cached = _Seq("x", [5] * (3 * BLOCK) + [1])     # three blocks left in the prefix cache
+    manager.find_cached_prefix(cached)
+    assert manager.allocate_slots("x", cached.num_tokens, None, cached)
+    manager.cache_full_blocks("x", 3 * BLOCK)
+    manager.free("x")
+    manager.take_block_copies()                     # a step boundary
+    tokens = [7] * (3 * BLOCK) + [1]
+    seq = _Seq("warm", tokens)
+    manager.find_cached_prefix(seq)
+    for index, block_hash in enumerate(seq.block_hashes):      # the prefix is on the host only
+        parent = seq.block_hashes[index - 1] if index else seq.cache_root
+        tier.store(block_hash, parent, tokens[index * BLOCK:(index + 1) * BLOCK], seq.cache_namespace)
+
+    def admit(request_id: str):
+        seq = _Seq(request_id, tokens)
+        hit = manager.find_cached_prefix(seq)
+        assert len(hit.host_block_ids) == 3
+        assert manager.allocate_slots(request_id, seq.num_tokens, hit, seq)
+        (load,) = [copy for copy in manager.take_block_copies() if copy.destination == DEVICE_STORE]
+        manager.complete_transfer(load.ticket, ok=True)
+        return load
+
+    first = admit("a")
+    manager.free("a")                               # freed: the step in flight may still use them
+    evicted_before = sum(manager.prefix_cache.evictions.values())
+    second = admit("b")
+    assert not set(second.dst_block_ids) & set(first.dst_block_ids)
+    assert not second.after_inflight
+    assert sum(manager.prefix_cache.evictions.values()) > evicted_before
+
+
 def test_a_write_back_says_how_deep_each_block_is_in_its_prefix():
     """An eviction's write-back carries each block's depth in its chain: cut short under back-pressure,
     the worker drops the deep end, not the blocks every hit on the prefix passes through."""
