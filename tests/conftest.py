@@ -167,6 +167,18 @@ INVARIANCE_CASES = {
 }
 
 
+def outputs_alone(engine, prompts: dict, params) -> dict:
+    """Each prompt's greedy tokens with the engine running it alone, one request at a time."""
+    outputs = {}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    outputs[request_id] = output.outputs[0].token_ids
+    return outputs
+
+
 def assert_batch_invariant(folder: str, reference_llm, alone: list[list[int]], prompts: list[list[int]],
                            max_new: int, options: dict, overrides: dict) -> None:
     """Runs every prompt in one batch under `options` and checks each equals its run alone, that

@@ -380,8 +380,8 @@ class Engine:
             raise RequestRejected(str(exc)) from None
         grace = 0.0
         if qos_class is not None:
-            priority = self.scheduler.qos.classes[qos_class].priority
-            grace = aging_grace_s(self.scheduler.qos.classes[qos_class].ttft_p99)
+            request_class = self.scheduler.qos.classes[qos_class]
+            priority, grace = request_class.priority, aging_grace_s(request_class.ttft_p99)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")

@@ -59,14 +59,11 @@ class BlockPool:
         if count > self.num_free_blocks:
             raise BlockPoolError(f"asked for {count} blocks with {self.num_free_blocks} free")
         empty = self._empty
+        blocks: list[int] = []
         deferred: list[int] = []
-        if avoid:
-            blocks = []
-            while len(blocks) < count and empty:
-                block_id = empty.popleft()
-                (deferred if block_id in avoid else blocks).append(block_id)
-        else:
-            blocks = [empty.popleft() for _ in range(min(count, len(empty)))]
+        while len(blocks) < count and empty:
+            block_id = empty.popleft()
+            (deferred if block_id in avoid else blocks).append(block_id)
         from_cache = min(count - len(blocks), self.cache.num_evictable if self.cache is not None else 0)
         if from_cache:                  # the rest from the cache, in one eviction
             evicted = self.cache.evict_many(from_cache)

@@ -4,9 +4,8 @@ A request's effective priority is its `priority` less one level per `aging_s` se
 arrived, so a low-priority request moves up the longer it has been in the engine: it is not
 overtaken, nor preempted by newcomers, forever. A request of a class with a TTFT target starts
 aging only after a share of that target (`AGING_GRACE_SHARE`): one within its own target is not
-starving, and aging it then only hands the capacity of the classes above to it (at 2x overload a
-Bronze class with a 120 s target, aged by 10 s, outranked Silver after 20 s and took the
-throughput Silver was shed for: docs/qos.md). Ties go to the earlier arrival. The scheduler
+starving, and aging it then only hands it the capacity of the classes above (docs/qos.md).
+Ties go to the earlier arrival. The scheduler
 keeps its running list in this order (the back is preempted first) and admits waiting requests in
 it; a waiting request that outranks the worst running one and does not fit preempts it.
 """

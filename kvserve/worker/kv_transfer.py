@@ -221,10 +221,8 @@ class KVTransfers:
         self._beside_a_batch = beside_a_batch
         outs = [copy for copy in copies if copy.destination != DEVICE_STORE]
         # Loads that may start now go first: loads on one stream run in issue order, so one load
-        # waiting for the step in flight (`after_inflight`) held back every load issued after it.
-        # On an H100 (16ba2c7), 131 of 571 inline loads waited, and a step with prefill waited 11.0 ms for
-        # its loads, about all of their copy time. Loads of one step write distinct blocks, so their
-        # order is free.
+        # waiting for the step in flight (`after_inflight`) would hold back every load issued after
+        # it (docs/kv_tiers.md). Loads of one step write distinct blocks, so their order is free.
         ins = sorted((copy for copy in copies if copy.destination == DEVICE_STORE),
                      key=lambda copy: copy.after_inflight)
         # This step's load destinations: blocks evicted to make room for them.

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from conftest import TEST_DEVICE, build_tiny_checkpoint
+from conftest import TEST_DEVICE, build_tiny_checkpoint, outputs_alone
 from kvserve import SamplingParams
 from kvserve.engine.engine import Engine
 from kvserve.sched.fair_share import VirtualTokenCounters
@@ -102,16 +102,7 @@ def test_the_config_is_read_as_yaml_or_json_and_bad_keys_are_named(tmp_path):
 
 
 def _outputs_alone(options: dict, prompts: dict, params: SamplingParams) -> dict:
-    """Each prompt's tokens run alone, one request at a time."""
-    alone = Engine.from_options(**options)
-    expected = {}
-    for request_id, prompt in prompts.items():
-        alone.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        while alone.has_unfinished_requests():
-            for output in alone.step():
-                if output.finished:
-                    expected[request_id] = output.outputs[0].token_ids
-    return expected
+    return outputs_alone(Engine.from_options(**options), prompts, params)
 
 
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import TEST_DEVICE, build_tiny_checkpoint
+from conftest import TEST_DEVICE, build_tiny_checkpoint, outputs_alone
 from kvserve import SamplingParams
 from kvserve.engine.engine import Engine
 from kvserve.sched.qos_config import load_qos_config
@@ -46,14 +46,7 @@ def _engine(folder: str, **options) -> Engine:
 
 
 def _alone(folder: str, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    engine, outputs = _engine(folder), {}
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, PARAMS)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    outputs[request_id] = output.outputs[0].token_ids
-    return outputs
+    return outputs_alone(_engine(folder), prompts, PARAMS)
 
 
 @pytest.mark.parametrize("reserved", [{"kv_reservation_blocks": 8}, {}])
